@@ -1,0 +1,218 @@
+//! The op set every backend implements. The model is written once against this trait; a
+//! backend knows tensors and ops, never the model.
+//!
+//! Activations are row-major `[rows, cols]` f32 tensors (one row per token). Weights are
+//! uploaded once from their GGUF view and keep their stored dtype: a quantized weight is never
+//! expanded to f32 in memory, and a Hadamard-folded weight carries its fold, so `matmul` cannot
+//! consume it without the activation transform.
+
+pub mod cpu;
+
+use std::sync::Arc;
+
+use crate::gguf::{Gguf, TensorInfo};
+use crate::quant::hadamard::{GdnPermutation, HadamardConfig};
+use crate::tensor::GgmlType;
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("tensor {name:?}: type {ty} has no kernel in the {backend} backend")]
+    UnsupportedType { name: String, ty: GgmlType, backend: &'static str },
+    #[error("tensor {name:?}: {what}")]
+    BadWeight { name: String, what: String },
+    #[error("backend {0:?} is not available: {1}")]
+    Unavailable(String, String),
+}
+
+/// How a folded weight's input must be transformed before the product (format-pq2_0.md §5).
+#[derive(Clone, Debug)]
+pub struct Fold {
+    pub hadamard: Arc<HadamardConfig>,
+    /// Set for `ssm_out` when `gdn_v_grouped`: the activation arrives in tiled V order and the
+    /// weight's columns are in grouped order.
+    pub perm: Option<GdnPermutation>,
+}
+
+impl Fold {
+    /// Applies the forward rule to one input row in place (`x` has the weight's ne0 width).
+    pub fn apply(&self, x: &mut [f32], scratch: &mut Vec<f32>) {
+        if let Some(p) = &self.perm {
+            scratch.clear();
+            scratch.resize(x.len(), 0.0);
+            p.tiled_to_grouped(x, scratch);
+            x.copy_from_slice(scratch);
+        }
+        self.hadamard.forward_in_place(x);
+    }
+}
+
+/// A weight as the model asks for it: the GGUF view plus its transform. `Weights` builds these
+/// with the fold already attached, so no caller can forget it.
+#[derive(Clone)]
+pub struct WeightSource {
+    pub file: Arc<Gguf>,
+    pub info: TensorInfo,
+    pub fold: Option<Fold>,
+    /// Embedding tables stored with the inverse rule (`h = s ⊙ H z` after the lookup).
+    pub inverse: Option<Arc<HadamardConfig>>,
+}
+
+impl WeightSource {
+    pub fn name(&self) -> &str {
+        &self.info.name
+    }
+    pub fn bytes(&self) -> &[u8] {
+        self.file.tensor_data(&self.info)
+    }
+    /// (ne0, rows): input width and output count of a matrix.
+    pub fn shape2(&self) -> (usize, usize) {
+        (self.info.ne0() as usize, self.info.n_rows() as usize)
+    }
+}
+
+/// Geometry of a gated full-attention layer.
+#[derive(Copy, Clone, Debug)]
+pub struct AttnParams {
+    pub n_head: usize,
+    pub n_head_kv: usize,
+    pub head_dim: usize,
+    pub n_rot: usize,
+    pub rope_base: f32,
+    pub rope_sections: [i32; 4],
+    pub eps: f32,
+    pub scale: f32,
+}
+
+/// Geometry of a Gated DeltaNet layer.
+#[derive(Copy, Clone, Debug)]
+pub struct GdnParams {
+    pub n_k: usize,
+    pub n_v: usize,
+    /// d_k = d_v = ssm.state_size.
+    pub d: usize,
+    pub d_conv: usize,
+    pub eps: f32,
+}
+
+impl GdnParams {
+    pub fn conv_dim(&self) -> usize {
+        2 * self.n_k * self.d + self.n_v * self.d
+    }
+    pub fn conv_state_len(&self) -> usize {
+        (self.d_conv - 1) * self.conv_dim()
+    }
+    pub fn ssm_state_len(&self) -> usize {
+        self.n_v * self.d * self.d
+    }
+}
+
+/// The weights a GDN layer's core consumes besides its projections.
+pub struct GdnWeights<'a, W> {
+    pub conv: &'a W,
+    pub dt_bias: &'a W,
+    pub ssm_a: &'a W,
+    pub norm: &'a W,
+}
+
+/// The op trait. `T` is an activation tensor resident on the backend, `W` an uploaded weight,
+/// `Kv` one layer's attention cache and `Rs` one layer's recurrent state.
+pub trait Backend: Send + Sync {
+    type T: Send;
+    type W: Send + Sync;
+    type Kv: Send;
+    type Rs: Send;
+
+    fn name(&self) -> &'static str;
+
+    fn upload(&self, w: &WeightSource) -> Result<Self::W, BackendError>;
+    fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Self::T;
+    fn to_host(&self, t: &Self::T) -> Vec<f32>;
+    /// Copies rows `[start, start + n)` of `t`.
+    fn rows(&self, t: &Self::T, start: usize, n: usize) -> Self::T;
+    fn concat_cols(&self, a: &Self::T, b: &Self::T) -> Self::T;
+
+    /// Row lookup; applies the inverse Hadamard rule when the table carries one.
+    fn embed(&self, table: &Self::W, ids: &[u32]) -> Self::T;
+    fn rms_norm(&self, x: &Self::T, w: &Self::W, eps: f32) -> Self::T;
+    /// `y[r] = W · x[r]` for every row, with the fold's transform on the input when folded.
+    fn matmul(&self, w: &Self::W, x: &Self::T) -> Self::T;
+    fn add_assign(&self, x: &mut Self::T, y: &Self::T);
+    /// `silu(gate) ⊙ up`.
+    fn swiglu(&self, gate: &Self::T, up: &Self::T) -> Self::T;
+
+    fn new_kv(&self, p: &AttnParams) -> Self::Kv;
+    fn kv_len(&self, kv: &Self::Kv) -> usize;
+    /// Drops cached positions `>= len` (rollback and prefix reuse).
+    fn kv_truncate(&self, kv: &mut Self::Kv, len: usize);
+    /// The gated attention core for rows at positions `pos0..pos0+rows`: splits `qg` into q and
+    /// gate per head, q/k RMSNorm, partial NEOX (IMROPE) RoPE, appends k/v to the cache,
+    /// causal grouped-GQA softmax attention, sigmoid gate. Returns `[rows, n_head*head_dim]`
+    /// (the input of `attn_output`).
+    #[allow(clippy::too_many_arguments)]
+    fn attention(
+        &self,
+        p: &AttnParams,
+        qg: &Self::T,
+        k: &Self::T,
+        v: &Self::T,
+        q_norm: &Self::W,
+        k_norm: &Self::W,
+        kv: &mut Self::Kv,
+        pos0: usize,
+    ) -> Self::T;
+
+    fn new_recurrent(&self, p: &GdnParams) -> Self::Rs;
+    fn recurrent_copy(&self, from: &Self::Rs, to: &mut Self::Rs);
+    /// The Gated DeltaNet core over consecutive tokens of one sequence: causal conv with the
+    /// carried state, SiLU, L2 norm, decay and delta rule, gated RMSNorm. Inputs are the
+    /// projections `mixed` (conv_dim), `z` (n_v*d), `b` and `a` (n_v). Returns `[rows, n_v*d]`
+    /// in tiled V order (the input of `ssm_out`).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn(
+        &self,
+        p: &GdnParams,
+        mixed: &Self::T,
+        z: &Self::T,
+        b: &Self::T,
+        a: &Self::T,
+        w: &GdnWeights<'_, Self::W>,
+        state: &mut Self::Rs,
+    ) -> Self::T;
+
+    fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
+}
+
+/// Picks a backend by name. Only `cpu` exists in this build; others say so.
+pub fn check_backend_name(name: &str) -> Result<(), BackendError> {
+    match name {
+        "cpu" | "auto" => Ok(()),
+        "wgpu" | "cuda" => Err(BackendError::Unavailable(
+            name.to_string(),
+            "this build has only the cpu backend".to_string(),
+        )),
+        other => Err(BackendError::Unavailable(
+            other.to_string(),
+            "unknown backend (expected cpu, wgpu, cuda or auto)".to_string(),
+        )),
+    }
+}
+
+/// NMSE = Σ(a−b)² / Σb², the comparison measure of goldens.md.
+pub fn nmse(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let mut num = 0f64;
+    let mut den = 0f64;
+    for (&x, &y) in a.iter().zip(b) {
+        num += (x as f64 - y as f64).powi(2);
+        den += (y as f64).powi(2);
+    }
+    if den == 0.0 {
+        if num == 0.0 {
+            0.0
+        } else {
+            f64::INFINITY
+        }
+    } else {
+        num / den
+    }
+}

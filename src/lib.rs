@@ -1,0 +1,13 @@
+//! tern: an inference engine for the Qwen3.5 (`qwen35`) hybrid model family.
+//!
+//! Layering (dependencies point down): `gguf`, `quant` → `tensor` → `backend` → `model` →
+//! `runtime` → `server` → the `tern` binary.
+
+pub mod backend;
+pub mod gguf;
+pub mod model;
+pub mod npy;
+pub mod quant;
+pub mod sampler;
+pub mod tensor;
+pub mod tokenizer;

@@ -1,0 +1,73 @@
+//! The qwen35 model: validated config, weights with their folds, per-sequence state, and the
+//! forward recipe written once against the backend op trait.
+
+mod config;
+mod qwen35;
+pub mod weights;
+
+pub use config::Config;
+pub use qwen35::{MtpState, SeqState};
+
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::backend::{Backend, BackendError};
+use crate::gguf::{Gguf, GgufError};
+use crate::quant::hadamard::{HadamardConfig, HadamardError};
+use weights::Weights;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("unsupported architecture {0:?} (tern runs qwen35)")]
+    UnsupportedArch(String),
+    #[error("missing metadata key {0:?}")]
+    MissingKey(String),
+    #[error("metadata key {key:?}: {why}")]
+    BadKey { key: String, why: String },
+    #[error("missing tensor {0:?}")]
+    MissingTensor(String),
+    #[error("tensor {name:?}: shape {found:?}, expected {expected}")]
+    BadShape { name: String, expected: String, found: Vec<u64> },
+    #[error("prism.hadamard: {0}")]
+    Hadamard(#[from] HadamardError),
+    #[error("tensor {name:?}: {why}")]
+    FoldMisuse { name: String, why: String },
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("token id {id} is outside the vocabulary of {n_vocab}")]
+    BadToken { id: u32, n_vocab: usize },
+    #[error("position {pos} exceeds the context of {n_ctx}")]
+    ContextFull { pos: usize, n_ctx: usize },
+    #[error("this model has no MTP block (nextn_predict_layers = 0)")]
+    NoMtp,
+}
+
+pub struct Model<B: Backend> {
+    pub cfg: Config,
+    pub file: Arc<Gguf>,
+    pub hadamard: Option<Arc<HadamardConfig>>,
+    pub w: Weights<B::W>,
+}
+
+/// What one forward call returns: a logits row and the `h_nextn` row (post-`output_norm`
+/// hidden, the MTP head's input) per token asked for.
+pub struct Output<T> {
+    pub logits: T,
+    pub h: T,
+}
+
+impl<B: Backend> Model<B> {
+    pub fn open(be: &B, path: impl AsRef<Path>) -> Result<Model<B>, ModelError> {
+        let file = Arc::new(Gguf::open(path)?);
+        Self::load(be, file)
+    }
+
+    pub fn load(be: &B, file: Arc<Gguf>) -> Result<Model<B>, ModelError> {
+        let cfg = Config::from_gguf(&file)?;
+        let hadamard = HadamardConfig::from_gguf(&file)?.map(Arc::new);
+        let w = Weights::load(be, &file, &cfg, hadamard.as_ref())?;
+        Ok(Model { cfg, file, hadamard, w })
+    }
+}

@@ -1,0 +1,1 @@
+//! GGUF vocabulary to a tokenizers BPE (being written).
