@@ -4,6 +4,7 @@
 //! `runtime` → `server` → the `tern` binary.
 
 pub mod backend;
+pub mod bundled;
 pub mod gguf;
 pub mod model;
 pub mod npy;

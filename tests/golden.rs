@@ -4,7 +4,6 @@
 
 use std::path::{Path, PathBuf};
 
-use tern::backend::cpu::CpuBackend;
 use tern::backend::{nmse, Backend};
 use tern::model::Model;
 
@@ -62,14 +61,17 @@ fn top1_mismatches(ours: &[f32], gold: &[f32], n_vocab: usize) -> Vec<usize> {
     bad
 }
 
-/// Tolerance against llama.cpp's golden on the quantized file itself. llama.cpp rounds
-/// activations to F16 for F16/BF16 matmuls and to Q8 for quantized ones, tern's CPU backend
-/// keeps them in f32; goldens.md measured F16 2e-6 and Q8_0 3e-3 for that difference.
+/// Tolerance against llama.cpp's golden on the quantized file itself. tern's CPU backend keeps
+/// activations in f32; llama.cpp's CPU path rounds them to the weight's vec_dot type. Measured
+/// on these fixtures (65 tokens, 8 random layers): F16 1.4e-5 (activations to F16), BF16
+/// 9.8e-4 (to BF16: 8-bit mantissa), Q8_0 1.0e-2 and Q4_0 8.8e-3 (activations to Q8_0 blocks;
+/// random weights amplify it beyond goldens.md's 3e-3). The bounds leave ~5x headroom; the
+/// exact golden above is the strict check.
 fn llama_tolerance(weight_type: &str) -> f64 {
     match weight_type {
         "F32" => 1e-6,
-        "F16" | "BF16" => 1e-4,
-        "Q8_0" => 1e-2,
+        "F16" => 1e-4,
+        "BF16" => 5e-3,
         _ => 5e-2,
     }
 }
@@ -144,7 +146,7 @@ macro_rules! golden_tests {
     };
 }
 
-golden_tests!(cpu, CpuBackend::new(), [
+golden_tests!(cpu, tern::backend::cpu::CpuBackend::new(), [
     tiny_f32 => "tiny-f32.gguf",
     tiny_f16 => "tiny-f16.gguf",
     tiny_bf16 => "tiny-bf16.gguf",

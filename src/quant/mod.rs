@@ -10,6 +10,8 @@ mod pq2_0;
 mod ptq1_0;
 mod q4_0;
 mod q8_0;
+#[cfg(target_arch = "x86_64")]
+mod x86;
 
 #[cfg(test)]
 mod tests;
@@ -89,7 +91,8 @@ pub fn quantize_row(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
 /// f32 activations (no activation quantization).
 ///
 /// The caller has validated lengths (`row.len() == ty.row_bytes(x.len())`) and that
-/// `ty.can_compute()`; any other type panics.
+/// `ty.can_compute()`; any other type panics. Mismatched lengths are a debug assertion; in
+/// release the kernels only ever read the whole blocks both slices hold.
 pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     debug_assert_eq!(
         ty.row_bytes(x.len() as u64),
@@ -98,16 +101,43 @@ pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
         row.len(),
         x.len()
     );
-    match ty {
-        GgmlType::F32 => dot_f32(row, x),
-        GgmlType::F16 => dot_f16(row, x),
-        GgmlType::BF16 => dot_bf16(row, x),
-        GgmlType::Q8_0 => dot_q8_0(row, x),
-        GgmlType::Q4_0 => dot_q4_0(row, x),
-        GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => dot_pq2_0(row, x),
-        GgmlType::PTQ1_0 => dot_ptq1_0(row, x),
-        _ => panic!("dot_row: no CPU kernel for tensor type {ty} (check GgmlType::can_compute first)"),
+    #[cfg(target_arch = "x86_64")]
+    if x86::available() {
+        // SAFETY: `available` checked that the CPU has AVX2 and F16C.
+        unsafe {
+            return match ty {
+                GgmlType::F32 => x86::dot_f32(row, x),
+                GgmlType::F16 => x86::dot_f16(row, x),
+                GgmlType::BF16 => x86::dot_bf16(row, x),
+                GgmlType::Q8_0 => x86::dot_q8_0(row, x),
+                GgmlType::Q4_0 => x86::dot_q4_0(row, x),
+                GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => x86::dot_pq2_0(row, x),
+                GgmlType::PTQ1_0 => x86::dot_ptq1_0(row, x),
+                _ => unsupported_dot(ty),
+            };
+        }
     }
+    dot_row_portable(ty, row, x)
+}
+
+/// `dot_row` without SIMD intrinsics. It performs the same float operations in the same order
+/// as the AVX2 kernels, so both return bit-identical sums.
+pub(crate) fn dot_row_portable(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
+    match ty {
+        GgmlType::F32 => dot_elements::<4>(row, x, f32::from_le_bytes),
+        GgmlType::F16 => dot_elements::<2>(row, x, |b| fp::f16_to_f32(u16::from_le_bytes(b))),
+        GgmlType::BF16 => dot_elements::<2>(row, x, |b| fp::bf16_to_f32(u16::from_le_bytes(b))),
+        GgmlType::Q8_0 => dot_blocks(row, x, q8_0::decode),
+        GgmlType::Q4_0 => dot_blocks(row, x, q4_0::decode),
+        GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => dot_blocks(row, x, pq2_0::decode),
+        GgmlType::PTQ1_0 => dot_blocks(row, x, ptq1_0::decode),
+        _ => unsupported_dot(ty),
+    }
+}
+
+#[cold]
+fn unsupported_dot(ty: GgmlType) -> ! {
+    panic!("dot_row: no CPU kernel for tensor type {ty} (check GgmlType::can_compute first)")
 }
 
 fn dequantize_blocks<const QK: usize, const B: usize>(
@@ -134,31 +164,37 @@ fn quantize_blocks<const QK: usize, const B: usize>(src: &[f32], quantize: fn(&[
 }
 
 // ---------------------------------------------------------------------------------------------
-// dot kernels
+// portable dot kernels
 //
-// Every kernel decodes a block into a stack array of f32 levels and multiplies it against the
-// activations into 2 x 8 independent lane accumulators. Lane-wise sums need no reassociation,
-// so LLVM vectorises them without fast-math, and the result does not depend on the vector
-// width: the AVX2 build and the baseline build below return bit-identical sums.
+// The summation order is fixed and shared with `x86.rs`: products are formed in groups of 8
+// lanes; group g goes to chain g % 4 (the first four groups initialise the chains); a block's
+// sum is (c0 + c1) + (c2 + c3) lane-wise, scaled once and added to the row accumulator; the
+// final 8 lanes are reduced as ((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7)). No fused
+// multiply-adds anywhere, so every path rounds identically.
 
 const LANES: usize = 8;
 type Lanes = [f32; LANES];
 
-/// Lane-wise partial products of `w` and `x` (N a multiple of 16).
 #[inline(always)]
-fn block_lanes<const N: usize>(w: &[f32; N], x: &[f32; N]) -> Lanes {
-    let mut s0 = [0.0f32; LANES];
-    let mut s1 = [0.0f32; LANES];
-    for (w, x) in w.chunks_exact(2 * LANES).zip(x.chunks_exact(2 * LANES)) {
+fn add_lanes(a: Lanes, b: Lanes) -> Lanes {
+    std::array::from_fn(|k| a[k] + b[k])
+}
+
+/// A block's lane sums (QK a multiple of 32).
+#[inline(always)]
+fn block_lanes<const QK: usize>(w: &[f32; QK], x: &[f32; QK]) -> Lanes {
+    let mut c = [[0.0f32; LANES]; 4];
+    for (g, (wg, xg)) in w.chunks_exact(LANES).zip(x.chunks_exact(LANES)).enumerate() {
         for k in 0..LANES {
-            s0[k] += w[k] * x[k];
-            s1[k] += w[LANES + k] * x[LANES + k];
+            let p = wg[k] * xg[k];
+            if g < 4 {
+                c[g][k] = p;
+            } else {
+                c[g % 4][k] += p;
+            }
         }
     }
-    for k in 0..LANES {
-        s0[k] += s1[k];
-    }
-    s0
+    add_lanes(add_lanes(c[0], c[1]), add_lanes(c[2], c[3]))
 }
 
 #[inline(always)]
@@ -167,7 +203,7 @@ fn hsum(a: Lanes) -> f32 {
 }
 
 /// Dot product over a row of `B`-byte blocks of `QK` elements; `decode` writes the levels and
-/// returns the block scale, which is applied once per block.
+/// returns the block scale.
 #[inline(always)]
 fn dot_blocks<const QK: usize, const B: usize>(
     row: &[u8],
@@ -186,59 +222,25 @@ fn dot_blocks<const QK: usize, const B: usize>(
     hsum(acc)
 }
 
-/// Dot product over a row of plain `ES`-byte elements converted by `conv`.
+/// Dot product over a row of plain `ES`-byte elements converted by `conv`: four chains over
+/// 32-element chunks, then the leftover elements one by one.
 #[inline(always)]
 fn dot_elements<const ES: usize>(row: &[u8], x: &[f32], conv: impl Fn([u8; ES]) -> f32) -> f32 {
-    const CHUNK: usize = 32;
-    let mut acc = [0.0f32; LANES];
-    let mut w = [0.0f32; CHUNK];
-    let body = row.len() / (ES * CHUNK) * CHUNK;
-    for (b, xc) in row[..body * ES].chunks_exact(ES * CHUNK).zip(x[..body].chunks_exact(CHUNK)) {
-        for (v, e) in w.iter_mut().zip(b.chunks_exact(ES)) {
-            *v = conv(e.try_into().expect("element"));
-        }
-        let s = block_lanes(&w, xc.try_into().expect("chunk"));
-        for k in 0..LANES {
-            acc[k] += s[k];
+    let n = (row.len() / ES).min(x.len());
+    let body = n / 32 * 32;
+    let mut c = [[0.0f32; LANES]; 4];
+    for (b, xc) in row[..body * ES].chunks_exact(ES * 32).zip(x[..body].chunks_exact(32)) {
+        for g in 0..4 {
+            for k in 0..LANES {
+                let j = g * LANES + k;
+                let e = b[j * ES..(j + 1) * ES].try_into().expect("element");
+                c[g][k] += conv(e) * xc[j];
+            }
         }
     }
     let mut tail = 0.0f32;
-    for (e, &xv) in row[body * ES..].chunks_exact(ES).zip(&x[body..]) {
+    for (e, &xv) in row[body * ES..n * ES].chunks_exact(ES).zip(&x[body..n]) {
         tail += conv(e.try_into().expect("element")) * xv;
     }
-    hsum(acc) + tail
+    hsum(add_lanes(add_lanes(c[0], c[1]), add_lanes(c[2], c[3]))) + tail
 }
-
-/// Defines `fn $name(row: &[u8], x: &[f32]) -> f32` compiled twice, for the baseline target and
-/// with AVX2, picking at run time. The crate builds for baseline x86-64 (SSE2), which has no
-/// sign-extending byte loads or 8-wide floats; AVX2 roughly doubles these kernels.
-macro_rules! dot_kernel {
-    ($name:ident, |$row:ident, $x:ident| $body:expr) => {
-        fn $name($row: &[u8], $x: &[f32]) -> f32 {
-            #[inline(always)]
-            fn portable($row: &[u8], $x: &[f32]) -> f32 {
-                $body
-            }
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx2")]
-                unsafe fn avx2(row: &[u8], x: &[f32]) -> f32 {
-                    portable(row, x)
-                }
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    // SAFETY: the CPU supports AVX2, checked just above.
-                    return unsafe { avx2($row, $x) };
-                }
-            }
-            portable($row, $x)
-        }
-    };
-}
-
-dot_kernel!(dot_f32, |row, x| dot_elements::<4>(row, x, f32::from_le_bytes));
-dot_kernel!(dot_f16, |row, x| dot_elements::<2>(row, x, |b| fp::f16_to_f32(u16::from_le_bytes(b))));
-dot_kernel!(dot_bf16, |row, x| dot_elements::<2>(row, x, |b| fp::bf16_to_f32(u16::from_le_bytes(b))));
-dot_kernel!(dot_q8_0, |row, x| dot_blocks(row, x, q8_0::decode));
-dot_kernel!(dot_q4_0, |row, x| dot_blocks(row, x, q4_0::decode));
-dot_kernel!(dot_pq2_0, |row, x| dot_blocks(row, x, pq2_0::decode));
-dot_kernel!(dot_ptq1_0, |row, x| dot_blocks(row, x, ptq1_0::decode));

@@ -9,7 +9,7 @@ pub(crate) const BYTES: usize = 34;
 
 /// The four levels of every possible code byte, in element order. A table lookup per byte
 /// beats shifting out four codes and interleaving them back into element order.
-static LEVELS: [[f32; 4]; 256] = {
+pub(crate) static LEVELS: [[f32; 4]; 256] = {
     let mut t = [[0.0f32; 4]; 256];
     let mut b = 0;
     while b < 256 {

@@ -12,7 +12,7 @@ use super::fp::{c_max, f32_to_f16, le_f16};
 pub(crate) const QK: usize = 128;
 pub(crate) const BYTES: usize = 28;
 
-const POW3: [u8; 5] = [1, 3, 9, 27, 81];
+pub(crate) const POW3: [u8; 5] = [1, 3, 9, 27, 81];
 
 #[inline(always)]
 fn trit(byte: u8, n: usize) -> f32 {

@@ -299,8 +299,9 @@ def run_llama(job: dict, tmp: Path) -> tuple[bool, str]:
                        capture_output=True, text=True)
     if p.returncode != 0:
         lines = [ln.strip() for ln in (p.stderr or "").strip().splitlines() if ln.strip()]
-        errs = [ln for ln in lines if any(w in ln.lower() for w in ("error", "failed", "invalid", "assert"))]
-        msg = " | ".join((errs or lines)[-3:]) if lines else f"exit status {p.returncode}"
+        errs = [ln for ln in lines if any(w in ln.lower() for w in ("error", "failed", "invalid", "assert"))
+                and not ln.startswith(("raise ", "File "))]
+        msg = " | ".join((errs[:3] if errs else lines[-3:])) if lines else f"exit status {p.returncode}"
         return False, f"llama.cpp failed (exit {p.returncode}): {msg[-600:]}"
     return True, ""
 
@@ -336,7 +337,10 @@ def process_fixture(fx: dict, fixtures_dir: Path | None, out: Path, tmp: Path, t
         ttypes = gguf_tensor_types(twin_src)
         if not all(t == GGML_TYPE_F32 for t in ttypes.values()):
             raise SystemExit(f"FAIL {twin_src}: twin is not all-F32: {type_histogram(ttypes)}")
-        rec["twin"] = {"file": fx["twin"], "source": "fixture manifest", "sha256": sha256_file(twin_src)}
+        tsha = sha256_file(twin_src)
+        if fx.get("twin_sha256") and fx["twin_sha256"] != tsha:
+            raise SystemExit(f"FAIL {twin_src}: sha256 {tsha} != manifest twin_sha256 {fx['twin_sha256']}")
+        rec["twin"] = {"file": fx["twin"], "source": "fixture manifest", "sha256": tsha}
     elif all_f32:
         rec["twin"] = {"file": None, "source": "file is all-F32 (its own exact source)"}
     else:

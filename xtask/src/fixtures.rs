@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use half::{bf16, f16};
 use sha2::{Digest, Sha256};
-use tern::gguf::{Gguf, GgufWriter, Value, ValueType};
+use tern::gguf::{Gguf, GgufWriter, Value};
 use tern::tensor::GgmlType;
 
 use crate::fold;
@@ -121,7 +121,7 @@ impl Geometry {
     }
 
     pub fn is_attn(&self, il: usize) -> bool {
-        il >= self.n_layer || (il + 1) % self.interval == 0
+        il >= self.n_layer || (il + 1).is_multiple_of(self.interval)
     }
     fn inner(&self) -> usize {
         self.n_v * self.d_state
@@ -162,9 +162,6 @@ impl Spec {
     fn ne0(&self) -> usize {
         self.dims[0] as usize
     }
-    fn rows(&self) -> usize {
-        self.dims[1..].iter().product::<u64>() as usize
-    }
     fn n(&self) -> usize {
         self.dims.iter().product::<u64>() as usize
     }
@@ -177,7 +174,12 @@ pub fn tensor_specs(g: &Geometry, n_vocab: usize) -> Vec<Spec> {
     let (e, v) = (g.n_embd as u64, n_vocab as u64);
     let mut out = Vec::new();
     let mut add = |name: String, dims: &[u64], kind: Kind, mtp: bool| {
-        out.push(Spec { name, dims: dims.to_vec(), kind, mtp })
+        out.push(Spec {
+            name,
+            dims: dims.to_vec(),
+            kind,
+            mtp,
+        })
     };
     add("token_embd.weight".into(), &[e, v], Kind::Embed, false);
     let hd = g.head_dim as u64;
@@ -198,9 +200,19 @@ pub fn tensor_specs(g: &Geometry, n_vocab: usize) -> Vec<Spec> {
         } else {
             let inner = g.inner() as u64;
             let nv = g.n_v as u64;
-            add(p("attn_qkv.weight"), &[e, g.conv_dim() as u64], Kind::Matmul, mtp);
+            add(
+                p("attn_qkv.weight"),
+                &[e, g.conv_dim() as u64],
+                Kind::Matmul,
+                mtp,
+            );
             add(p("attn_gate.weight"), &[e, inner], Kind::Matmul, mtp);
-            add(p("ssm_conv1d.weight"), &[g.d_conv as u64, g.conv_dim() as u64], Kind::Conv, mtp);
+            add(
+                p("ssm_conv1d.weight"),
+                &[g.d_conv as u64, g.conv_dim() as u64],
+                Kind::Conv,
+                mtp,
+            );
             add(p("ssm_dt.bias"), &[nv], Kind::DtBias, mtp);
             add(p("ssm_a"), &[nv], Kind::SsmA, mtp);
             add(p("ssm_beta.weight"), &[e, nv], Kind::AlphaBeta, mtp);
@@ -240,7 +252,9 @@ pub fn master(label: &str, s: &Spec) -> Vec<f32> {
         // Never all ones: that would hide a missing/extra +1.
         Kind::Norm => w.iter_mut().for_each(|x| *x = 1.0 + rng.uniform(-0.2, 0.2)),
         Kind::Conv => rng.fill_uniform(&mut w, -0.5, 0.5),
-        Kind::SsmA => w.iter_mut().for_each(|x| *x = -rng.uniform(-1.0, 0.5).exp()),
+        Kind::SsmA => w
+            .iter_mut()
+            .for_each(|x| *x = -rng.uniform(-1.0, 0.5).exp()),
         Kind::DtBias => rng.fill_uniform(&mut w, -0.5, 0.5),
     }
     w
@@ -260,30 +274,42 @@ fn encode(ty: GgmlType, ne0: usize, w: &[f32]) -> Result<Vec<u8>> {
     }
     let mut out = Vec::new();
     for row in w.chunks(ne0) {
-        let b = tern::quant::quantize_row(ty, row).map_err(|e| anyhow::anyhow!("quantize {ty:?}: {e:?}"))?;
+        let b = tern::quant::quantize_row(ty, row)
+            .map_err(|e| anyhow::anyhow!("quantize {ty:?}: {e:?}"))?;
         out.extend_from_slice(&b);
     }
     Ok(out)
 }
 
 fn f16_bytes(w: &[f32]) -> Vec<u8> {
-    w.iter().flat_map(|&x| f16::from_f32(x).to_bits().to_le_bytes()).collect()
+    w.iter()
+        .flat_map(|&x| f16::from_f32(x).to_bits().to_le_bytes())
+        .collect()
 }
 fn bf16_bytes(w: &[f32]) -> Vec<u8> {
-    w.iter().flat_map(|&x| bf16::from_f32(x).to_bits().to_le_bytes()).collect()
+    w.iter()
+        .flat_map(|&x| bf16::from_f32(x).to_bits().to_le_bytes())
+        .collect()
 }
 fn f16_decode(b: &[u8]) -> Vec<f32> {
-    b.chunks(2).map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
+    b.chunks(2)
+        .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+        .collect()
 }
 fn bf16_decode(b: &[u8]) -> Vec<f32> {
-    b.chunks(2).map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect()
+    b.chunks(2)
+        .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+        .collect()
 }
 
 /// Runs `f(i)` for i in 0..n on the available cores; results come back in index order.
 fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Mutex;
-    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(n.max(1));
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .min(n.max(1));
     let next = AtomicUsize::new(0);
     let slots: Vec<Mutex<Option<T>>> = (0..n).map(|_| Mutex::new(None)).collect();
     std::thread::scope(|sc| {
@@ -298,7 +324,10 @@ fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
             });
         }
     });
-    slots.into_iter().map(|m| m.into_inner().unwrap().unwrap()).collect()
+    slots
+        .into_iter()
+        .map(|m| m.into_inner().unwrap().unwrap())
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -343,10 +372,16 @@ fn set_metadata(w: &mut GgufWriter, g: &Geometry, vocab: &Vocab, name: &str, fil
     w.set(&format!("{a}.attention.head_count_kv"), u(g.n_head_kv));
     w.set(&format!("{a}.attention.key_length"), u(g.head_dim));
     w.set(&format!("{a}.attention.value_length"), u(g.head_dim));
-    w.set(&format!("{a}.attention.layer_norm_rms_epsilon"), Value::F32(g.eps));
+    w.set(
+        &format!("{a}.attention.layer_norm_rms_epsilon"),
+        Value::F32(g.eps),
+    );
     w.set(&format!("{a}.rope.freq_base"), Value::F32(g.freq_base));
     w.set(&format!("{a}.rope.dimension_count"), u(g.n_rot));
-    w.set(&format!("{a}.rope.dimension_sections"), Value::i32_array(&g.sections));
+    w.set(
+        &format!("{a}.rope.dimension_sections"),
+        Value::i32_array(&g.sections),
+    );
     w.set(&format!("{a}.full_attention_interval"), u(g.interval));
     w.set(&format!("{a}.ssm.conv_kernel"), u(g.d_conv));
     w.set(&format!("{a}.ssm.state_size"), u(g.d_state));
@@ -361,10 +396,15 @@ fn set_metadata(w: &mut GgufWriter, g: &Geometry, vocab: &Vocab, name: &str, fil
     w.set("tokenizer.ggml.tokens", Value::str_array(&vocab.tokens));
     w.set("tokenizer.ggml.token_type", Value::i32_array(&vocab.types));
     w.set("tokenizer.ggml.merges", Value::str_array(&vocab.merges));
+    // As Qwen's own GGUFs do: bos = eos = <|endoftext|> (never added: add_bos_token false).
+    w.set("tokenizer.ggml.bos_token_id", Value::U32(vocab.eos));
     w.set("tokenizer.ggml.eos_token_id", Value::U32(vocab.eos));
     w.set("tokenizer.ggml.padding_token_id", Value::U32(vocab.eos));
     w.set("tokenizer.ggml.add_bos_token", Value::Bool(false));
-    w.set("tokenizer.chat_template", Value::String(CHAT_TEMPLATE.into()));
+    w.set(
+        "tokenizer.chat_template",
+        Value::String(CHAT_TEMPLATE.into()),
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -408,8 +448,8 @@ pub struct FoldPlan {
 impl FoldPlan {
     fn folds(&self, s: &Spec) -> bool {
         match s.kind {
-            Kind::Output => s.ne0() % self.block == 0,
-            Kind::Matmul => !s.mtp && s.ne0() % self.block == 0,
+            Kind::Output => s.ne0().is_multiple_of(self.block),
+            Kind::Matmul => !s.mtp && s.ne0().is_multiple_of(self.block),
             _ => false,
         }
     }
@@ -440,76 +480,105 @@ pub struct Pq2File {
     pub sign_widths: Vec<usize>,
 }
 
-pub fn pq2_0_file(g: &Geometry, vocab: &Vocab, plan: &FoldPlan, name: &str, with_twin: bool) -> Result<Pq2File> {
+pub fn pq2_0_file(
+    g: &Geometry,
+    vocab: &Vocab,
+    plan: &FoldPlan,
+    name: &str,
+    with_twin: bool,
+) -> Result<Pq2File> {
     let specs = tensor_specs(g, vocab.tokens.len());
-    let folded: Vec<String> = specs.iter().filter(|s| plan.folds(s)).map(|s| s.name.clone()).collect();
-    let mut sign_widths: Vec<usize> = specs.iter().filter(|s| plan.folds(s) || s.kind == Kind::Embed).map(|s| s.ne0()).collect();
+    let folded: Vec<String> = specs
+        .iter()
+        .filter(|s| plan.folds(s))
+        .map(|s| s.name.clone())
+        .collect();
+    let mut sign_widths: Vec<usize> = specs
+        .iter()
+        .filter(|s| plan.folds(s) || s.kind == Kind::Embed)
+        .map(|s| s.ne0())
+        .collect();
     sign_widths.sort_unstable();
     sign_widths.dedup();
-    if g.n_embd % plan.block != 0 {
-        bail!("n_embd {} is not a multiple of the Hadamard block {}", g.n_embd, plan.block);
+    if !g.n_embd.is_multiple_of(plan.block) {
+        bail!(
+            "n_embd {} is not a multiple of the Hadamard block {}",
+            g.n_embd,
+            plan.block
+        );
     }
     let signs: Vec<Vec<i32>> = sign_widths
         .iter()
         .map(|&wd| {
             let mut rng = Rng::for_label(SEED, &format!("{}/pq2_0/signs/{wd}", g.label));
-            (0..wd).map(|_| if rng.below(2) == 0 { 1 } else { -1 }).collect()
+            (0..wd)
+                .map(|_| if rng.below(2) == 0 { 1 } else { -1 })
+                .collect()
         })
         .collect();
     let sign_of = |wd: usize| &signs[sign_widths.iter().position(|&x| x == wd).unwrap()];
     let h = fold::dense_h(plan.block);
 
     // (type, stored bytes, twin f32)
-    let data = par_map(specs.len(), |i| -> Result<(GgmlType, Vec<u8>, Option<Vec<f32>>)> {
-        let s = &specs[i];
-        let (ne0, n) = (s.ne0(), s.n());
-        if plan.folds(s) || s.kind == Kind::Embed {
-            let mut rng = Rng::for_label(SEED, &format!("{}/pq2_0/codes/{}", g.label, s.name));
-            let std = if s.kind == Kind::Embed { 0.577 } else { 1.0 / (ne0 as f32).sqrt() };
-            let bytes = draw_pq2_0(&mut rng, n, std);
-            let twin = with_twin.then(|| {
-                let row_bytes = ne0 / fold::PQ2_0_BLOCK * fold::PQ2_0_BYTES;
-                let mut t = Vec::with_capacity(n);
-                for rb in bytes.chunks(row_bytes) {
-                    let latent = fold::decode_pq2_0_row(rb);
-                    let mut w = fold::unfold_row(&h, plan.block, sign_of(ne0), &latent);
-                    if s.is_ssm_out() {
-                        // gdn_v_grouped: the stored columns are in grouped V-head order.
-                        w = fold::grouped_to_tiled(&w, ne0 / g.n_v, g.n_k, g.n_v / g.n_k);
+    let data = par_map(
+        specs.len(),
+        |i| -> Result<(GgmlType, Vec<u8>, Option<Vec<f32>>)> {
+            let s = &specs[i];
+            let (ne0, n) = (s.ne0(), s.n());
+            if plan.folds(s) || s.kind == Kind::Embed {
+                let mut rng = Rng::for_label(SEED, &format!("{}/pq2_0/codes/{}", g.label, s.name));
+                let std = if s.kind == Kind::Embed {
+                    0.577
+                } else {
+                    1.0 / (ne0 as f32).sqrt()
+                };
+                let bytes = draw_pq2_0(&mut rng, n, std);
+                let twin = with_twin.then(|| {
+                    let row_bytes = ne0 / fold::PQ2_0_BLOCK * fold::PQ2_0_BYTES;
+                    let mut t = Vec::with_capacity(n);
+                    for rb in bytes.chunks(row_bytes) {
+                        let latent = fold::decode_pq2_0_row(rb);
+                        let mut w = fold::unfold_row(&h, plan.block, sign_of(ne0), &latent);
+                        if s.is_ssm_out() {
+                            // gdn_v_grouped: the stored columns are in grouped V-head order.
+                            w = fold::grouped_to_tiled(&w, ne0 / g.n_v, g.n_k, g.n_v / g.n_k);
+                        }
+                        t.extend_from_slice(&w);
                     }
-                    t.extend_from_slice(&w);
+                    t
+                });
+                return Ok((GgmlType::PQ2_0, bytes, twin));
+            }
+            let w = master(g.label, s);
+            let (ty, bytes, twin) = match s.kind {
+                Kind::AlphaBeta => {
+                    let b = bf16_bytes(&w);
+                    let t = with_twin.then(|| bf16_decode(&b));
+                    (GgmlType::BF16, b, t)
                 }
-                t
-            });
-            return Ok((GgmlType::PQ2_0, bytes, twin));
-        }
-        let w = master(g.label, s);
-        let (ty, bytes, twin) = match s.kind {
-            Kind::AlphaBeta => {
-                let b = bf16_bytes(&w);
-                let t = with_twin.then(|| bf16_decode(&b));
-                (GgmlType::BF16, b, t)
-            }
-            Kind::Matmul | Kind::Output => {
-                let ty = if s.mtp { plan.mtp_type } else { plan.fallback };
-                let b = match ty {
-                    GgmlType::F16 => f16_bytes(&w),
-                    _ => encode(ty, ne0, &w)?,
-                };
-                let t = match ty {
-                    GgmlType::F16 => with_twin.then(|| f16_decode(&b)),
-                    _ if with_twin => bail!("no independent decoder for twin of {} in {ty:?}", s.name),
-                    _ => None,
-                };
-                (ty, b, t)
-            }
-            _ => {
-                let b = f32_bytes(&w);
-                (GgmlType::F32, b, with_twin.then_some(w))
-            }
-        };
-        Ok((ty, bytes, twin))
-    });
+                Kind::Matmul | Kind::Output => {
+                    let ty = if s.mtp { plan.mtp_type } else { plan.fallback };
+                    let b = match ty {
+                        GgmlType::F16 => f16_bytes(&w),
+                        _ => encode(ty, ne0, &w)?,
+                    };
+                    let t = match ty {
+                        GgmlType::F16 => with_twin.then(|| f16_decode(&b)),
+                        _ if with_twin => {
+                            bail!("no independent decoder for twin of {} in {ty:?}", s.name)
+                        }
+                        _ => None,
+                    };
+                    (ty, b, t)
+                }
+                _ => {
+                    let b = f32_bytes(&w);
+                    (GgmlType::F32, b, with_twin.then_some(w))
+                }
+            };
+            Ok((ty, bytes, twin))
+        },
+    );
 
     let mut file = GgufWriter::new();
     set_metadata(&mut file, g, vocab, name, file_type_of(GgmlType::PQ2_0));
@@ -519,15 +588,24 @@ pub fn pq2_0_file(g: &Geometry, vocab: &Vocab, plan: &FoldPlan, name: &str, with
         file.set(&format!("{p}.tied_output"), Value::Bool(true));
     }
     file.set(&format!("{p}.block_size"), Value::U32(plan.block as u32));
-    file.set(&format!("{p}.transform"), Value::String("normalized-sylvester-walsh-hadamard".into()));
-    file.set(&format!("{p}.axis"), Value::String("input-last-dimension".into()));
+    file.set(
+        &format!("{p}.transform"),
+        Value::String("normalized-sylvester-walsh-hadamard".into()),
+    );
+    file.set(
+        &format!("{p}.axis"),
+        Value::String("input-last-dimension".into()),
+    );
     file.set(&format!("{p}.sign_mode"), Value::String("explicit".into()));
     let widths: Vec<i32> = sign_widths.iter().map(|&x| x as i32).collect();
     file.set(&format!("{p}.sign_widths"), Value::i32_array(&widths));
     let all_signs: Vec<i32> = signs.concat();
     file.set(&format!("{p}.sign_values"), Value::i32_array(&all_signs));
     file.set(&format!("{p}.weight_names"), Value::str_array(&folded));
-    file.set(&format!("{p}.inverse_weight_names"), Value::str_array(&["token_embd.weight"]));
+    file.set(
+        &format!("{p}.inverse_weight_names"),
+        Value::str_array(&["token_embd.weight"]),
+    );
     file.set(&format!("{p}.gdn_v_grouped"), Value::Bool(true));
 
     let mut twin = with_twin.then(|| {
@@ -542,7 +620,12 @@ pub fn pq2_0_file(g: &Geometry, vocab: &Vocab, plan: &FoldPlan, name: &str, with
             t.add_f32(&s.name, &s.dims, &tw);
         }
     }
-    Ok(Pq2File { file, twin, folded, sign_widths })
+    Ok(Pq2File {
+        file,
+        twin,
+        folded,
+        sign_widths,
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -561,7 +644,9 @@ pub struct Fixture {
 
 fn tokens_for(g: &Geometry, vocab: &Vocab) -> Vec<u32> {
     let mut rng = Rng::for_label(SEED, &format!("{}/tokens", g.label));
-    (0..N_TOKENS).map(|_| rng.below(vocab.n_learned as u64) as u32).collect()
+    (0..N_TOKENS)
+        .map(|_| rng.below(vocab.n_learned as u64) as u32)
+        .collect()
 }
 
 /// Builds every tiny fixture in memory (no I/O), in manifest order.
@@ -569,14 +654,27 @@ pub fn tiny_set() -> Result<(Vec<Fixture>, Vec<String>)> {
     let vocab = vocab::build(N_MERGES, 0);
     let mut out = Vec::new();
     let geoms = [
-        (Geometry::tiny(), vec![GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_0]),
+        (
+            Geometry::tiny(),
+            vec![
+                GgmlType::F32,
+                GgmlType::F16,
+                GgmlType::BF16,
+                GgmlType::Q8_0,
+                GgmlType::Q4_0,
+            ],
+        ),
         (Geometry::tiny_tied(), vec![GgmlType::F32, GgmlType::Q8_0]),
     ];
     for (g, types) in &geoms {
         let tokens = tokens_for(g, &vocab);
         for &ty in types {
             let file = format!("{}-{}.gguf", g.label, type_name(ty).to_lowercase());
-            let name = format!("tern {} fixture ({}, random weights)", g.label, type_name(ty));
+            let name = format!(
+                "tern {} fixture ({}, random weights)",
+                g.label,
+                type_name(ty)
+            );
             out.push(Fixture {
                 writer: plain_file(g, &vocab, ty, &name)?,
                 file,
@@ -590,8 +688,19 @@ pub fn tiny_set() -> Result<(Vec<Fixture>, Vec<String>)> {
         }
     }
     let g = Geometry::tiny();
-    let plan = FoldPlan { block: 64, version: 1, fallback: GgmlType::F16, mtp_type: GgmlType::F16 };
-    let pq = pq2_0_file(&g, &vocab, &plan, "tern tiny fixture (PQ2_0, Hadamard-folded, random codes)", true)?;
+    let plan = FoldPlan {
+        block: 64,
+        version: 1,
+        fallback: GgmlType::F16,
+        mtp_type: GgmlType::F16,
+    };
+    let pq = pq2_0_file(
+        &g,
+        &vocab,
+        &plan,
+        "tern tiny fixture (PQ2_0, Hadamard-folded, random codes)",
+        true,
+    )?;
     out.push(Fixture {
         file: "tiny-pq2_0.gguf".into(),
         writer: pq.file,
@@ -625,7 +734,8 @@ fn sha256_file(path: &Path) -> Result<String> {
 
 /// Writes, re-opens with tern's reader, and returns (bytes, sha256).
 fn write_checked(w: &GgufWriter, path: &Path) -> Result<(u64, String)> {
-    w.write(path).with_context(|| format!("writing {}", path.display()))?;
+    w.write(path)
+        .with_context(|| format!("writing {}", path.display()))?;
     let g = Gguf::open(path).with_context(|| format!("re-opening {}", path.display()))?;
     if g.architecture() != Some("qwen35") {
         bail!("{}: architecture did not round-trip", path.display());
@@ -633,7 +743,11 @@ fn write_checked(w: &GgufWriter, path: &Path) -> Result<(u64, String)> {
     let bytes = g.file_len();
     drop(g);
     let sha = sha256_file(path)?;
-    println!("{:<34} {:>12} bytes  sha256 {sha}", path.file_name().unwrap().to_string_lossy(), bytes);
+    println!(
+        "{:<34} {:>12} bytes  sha256 {sha}",
+        path.file_name().unwrap().to_string_lossy(),
+        bytes
+    );
     Ok((bytes, sha))
 }
 
@@ -668,7 +782,11 @@ pub fn write_tiny(dir: &Path) -> Result<()> {
     let path = dir.join("manifest.json");
     std::fs::write(&path, serde_json::to_string_pretty(&manifest)? + "\n")?;
     println!("{:<34} (manifest)", "manifest.json");
-    println!("tiny-pq2_0 folded ({}): {}", folded.len(), folded.join(", "));
+    println!(
+        "tiny-pq2_0 folded ({}): {}",
+        folded.len(),
+        folded.join(", ")
+    );
     Ok(())
 }
 
@@ -680,13 +798,29 @@ pub fn write_bench(dir: &Path) -> Result<()> {
     let vocab = vocab::build_exact(N_MERGES, 248_320);
     let mut entries = Vec::new();
     {
-        let w = plain_file(&g, &vocab, GgmlType::Q8_0, "tern bench-0.8b (Q8_0, random weights)")?;
+        let w = plain_file(
+            &g,
+            &vocab,
+            GgmlType::Q8_0,
+            "tern bench-0.8b (Q8_0, random weights)",
+        )?;
         let path = dir.join("bench-0.8b-q8_0.gguf");
         let (bytes, sha) = write_checked(&w, &path)?;
         entries.push(serde_json::json!({"file": "bench-0.8b-q8_0.gguf", "bytes": bytes, "sha256": sha, "weight_type": "Q8_0"}));
     }
-    let plan = FoldPlan { block: 1024, version: 2, fallback: GgmlType::Q8_0, mtp_type: GgmlType::Q8_0 };
-    let pq = pq2_0_file(&g, &vocab, &plan, "tern bench-0.8b (PQ2_0, Hadamard-folded, random codes)", false)?;
+    let plan = FoldPlan {
+        block: 1024,
+        version: 2,
+        fallback: GgmlType::Q8_0,
+        mtp_type: GgmlType::Q8_0,
+    };
+    let pq = pq2_0_file(
+        &g,
+        &vocab,
+        &plan,
+        "tern bench-0.8b (PQ2_0, Hadamard-folded, random codes)",
+        false,
+    )?;
     let path = dir.join("bench-0.8b-pq2_0.gguf");
     let (bytes, sha) = write_checked(&pq.file, &path)?;
     entries.push(serde_json::json!({
@@ -694,8 +828,16 @@ pub fn write_bench(dir: &Path) -> Result<()> {
         "sign_widths": pq.sign_widths, "folded": pq.folded,
     }));
     let manifest = serde_json::json!({"seed": format!("{SEED:#018x}"), "fixtures": entries});
-    std::fs::write(dir.join("manifest.json"), serde_json::to_string_pretty(&manifest)? + "\n")?;
-    let unfolded: Vec<&str> = ["ffn_down (ne0 3584 is not a multiple of 1024: Q8_0)", "blk.24.* MTP (Q8_0)", "ssm_alpha/ssm_beta (BF16)"].to_vec();
+    std::fs::write(
+        dir.join("manifest.json"),
+        serde_json::to_string_pretty(&manifest)? + "\n",
+    )?;
+    let unfolded: Vec<&str> = [
+        "ffn_down (ne0 3584 is not a multiple of 1024: Q8_0)",
+        "blk.24.* MTP (Q8_0)",
+        "ssm_alpha/ssm_beta (BF16)",
+    ]
+    .to_vec();
     println!(
         "bench-0.8b-pq2_0: {} folded tensors (+ token_embd inverse), sign widths {:?}; unfolded: {}",
         pq.folded.len(),
@@ -716,9 +858,17 @@ mod tests {
         let (b, _) = tiny_set().unwrap();
         assert_eq!(a.len(), b.len());
         for (x, y) in a.iter().zip(&b) {
-            assert!(x.writer.to_bytes() == y.writer.to_bytes(), "{} differs between runs", x.file);
+            assert!(
+                x.writer.to_bytes() == y.writer.to_bytes(),
+                "{} differs between runs",
+                x.file
+            );
             if let (Some(tx), Some(ty)) = (&x.twin, &y.twin) {
-                assert!(tx.1.to_bytes() == ty.1.to_bytes(), "{} differs between runs", tx.0);
+                assert!(
+                    tx.1.to_bytes() == ty.1.to_bytes(),
+                    "{} differs between runs",
+                    tx.0
+                );
             }
             assert_eq!(x.tokens, y.tokens);
         }
@@ -739,7 +889,16 @@ mod tests {
         assert!(specs.iter().any(|s| s.name == "output.weight"));
         let gt = Geometry::tiny_tied();
         let specs = tensor_specs(&gt, 500);
-        assert!(!specs.iter().any(|s| s.name == "output.weight" || s.name.starts_with("blk.4.")));
-        assert_eq!(specs.iter().find(|s| s.name == "blk.1.attn_k.weight").unwrap().dims, [128, 32]);
+        assert!(!specs
+            .iter()
+            .any(|s| s.name == "output.weight" || s.name.starts_with("blk.4.")));
+        assert_eq!(
+            specs
+                .iter()
+                .find(|s| s.name == "blk.1.attn_k.weight")
+                .unwrap()
+                .dims,
+            [128, 32]
+        );
     }
 }

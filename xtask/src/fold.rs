@@ -9,7 +9,11 @@ pub fn dense_h(n: usize) -> Vec<f64> {
     let mut h = vec![0.0; n * n];
     for r in 0..n {
         for c in 0..n {
-            h[r * n + c] = if (r & c).count_ones() % 2 == 0 { inv } else { -inv };
+            h[r * n + c] = if (r & c).count_ones() % 2 == 0 {
+                inv
+            } else {
+                -inv
+            };
         }
     }
     h
@@ -34,7 +38,11 @@ pub fn apply_h_blk(h: &[f64], blk: usize, x: &[f64]) -> Vec<f64> {
 pub fn unfold_row(h: &[f64], blk: usize, signs: &[i32], latent: &[f32]) -> Vec<f32> {
     assert_eq!(signs.len(), latent.len());
     let x: Vec<f64> = latent.iter().map(|&v| v as f64).collect();
-    apply_h_blk(h, blk, &x).iter().zip(signs).map(|(&v, &s)| (v * s as f64) as f32).collect()
+    apply_h_blk(h, blk, &x)
+        .iter()
+        .zip(signs)
+        .map(|(&v, &s)| (v * s as f64) as f32)
+        .collect()
 }
 
 /// `ssm_out` rows of a `gdn_v_grouped` file are in grouped column order; permute to tiled:
@@ -102,7 +110,10 @@ mod tests {
         // Sylvester recursion [[H, H], [H, -H]] (unnormalized) for n = 4.
         let h = dense_h(4);
         let signs: Vec<f64> = h.iter().map(|v| v.signum()).collect();
-        assert_eq!(signs, [1., 1., 1., 1., 1., -1., 1., -1., 1., 1., -1., -1., 1., -1., -1., 1.]);
+        assert_eq!(
+            signs,
+            [1., 1., 1., 1., 1., -1., 1., -1., 1., 1., -1., -1., 1., -1., -1., 1.]
+        );
     }
 
     fn dot(a: &[f32], b: &[f64]) -> f64 {
@@ -117,7 +128,9 @@ mod tests {
         let n = hd * nk * rep; // 128: two Hadamard blocks
         let h = dense_h(blk);
         let mut rng = Rng::new(3);
-        let signs: Vec<i32> = (0..n).map(|_| if rng.below(2) == 0 { -1 } else { 1 }).collect();
+        let signs: Vec<i32> = (0..n)
+            .map(|_| if rng.below(2) == 0 { -1 } else { 1 })
+            .collect();
         let latent: Vec<f32> = (0..n).map(|_| rng.below(4) as f32 - 1.0).collect();
         let x: Vec<f64> = (0..n).map(|_| rng.uniform(-1.0, 1.0) as f64).collect();
 

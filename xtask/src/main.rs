@@ -1,5 +1,6 @@
 //! Project tasks: `cargo xtask <task>`.
 
+mod bench;
 mod fixtures;
 mod fold;
 mod rng;
@@ -9,12 +10,25 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Result};
 
-const USAGE: &str = "usage: cargo xtask fixtures [--bench] [--out DIR]
-  fixtures          write the tiny golden-test GGUFs, their twins and manifest.json to fixtures/
-  fixtures --bench  write fixtures/bench/bench-0.8b-{q8_0,pq2_0}.gguf (large, not committed)";
+const USAGE: &str = "usage: cargo xtask <task>
+  fixtures [--out DIR]  write the tiny golden-test GGUFs, their twins and manifest.json to fixtures/
+  fixtures --bench      write fixtures/bench/bench-0.8b-{q8_0,pq2_0}.gguf (large, not committed)
+  goldens               run stock llama.cpp (llama-cpp-python) and the NumPy reference on the
+                        fixtures, writing fixtures/golden/ (needs TERN_PYTHON or python3 with
+                        llama-cpp-python==0.3.36, gguf, numpy)
+  bench [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
+                        tern vs stock llama.cpp on the bench files (default: fixtures/bench/*)";
+
+/// The Python that has llama-cpp-python: $TERN_PYTHON, else python3 on the PATH.
+fn python() -> String {
+    std::env::var("TERN_PYTHON").unwrap_or_else(|_| "python3".to_string())
+}
 
 fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 fn main() -> Result<()> {
@@ -39,6 +53,52 @@ fn main() -> Result<()> {
             } else {
                 fixtures::write_tiny(&out)
             }
+        }
+        Some("goldens") => {
+            let root = workspace_root();
+            let st = std::process::Command::new(python())
+                .arg(root.join("xtask/py/goldens.py"))
+                .args(["--fixtures", "fixtures", "--out", "fixtures/golden"])
+                .args(&args[1..])
+                .current_dir(&root)
+                .status()?;
+            if !st.success() {
+                bail!("goldens.py failed ({st})");
+            }
+            Ok(())
+        }
+        Some("bench") => {
+            let root = workspace_root();
+            let mut o = bench::Options {
+                files: Vec::new(),
+                prompt_tokens: 128,
+                decode_tokens: 32,
+                runs: 3,
+                llama: true,
+                python: python(),
+            };
+            let mut it = args[1..].iter();
+            let num = |v: Option<&String>, flag: &str| -> Result<usize> {
+                match v.map(|s| s.parse::<usize>()) {
+                    Some(Ok(n)) if n > 0 => Ok(n),
+                    _ => bail!("{flag} needs a positive number\n{USAGE}"),
+                }
+            };
+            while let Some(a) = it.next() {
+                match a.as_str() {
+                    "--no-llama" => o.llama = false,
+                    "--prompt" => o.prompt_tokens = num(it.next(), "--prompt")?,
+                    "--decode" => o.decode_tokens = num(it.next(), "--decode")?,
+                    "--runs" => o.runs = num(it.next(), "--runs")?,
+                    f if !f.starts_with("--") => o.files.push(PathBuf::from(f)),
+                    other => bail!("unknown option {other}\n{USAGE}"),
+                }
+            }
+            if o.files.is_empty() {
+                let d = root.join("fixtures/bench");
+                o.files = ["bench-0.8b-q8_0.gguf", "bench-0.8b-pq2_0.gguf"].iter().map(|f| d.join(f)).collect();
+            }
+            bench::run(&root, &o)
         }
         _ => {
             eprintln!("{USAGE}");

@@ -42,7 +42,8 @@ pub fn byte_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut n = 0u32;
     for b in 0..256u32 {
-        let printable = (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+        let printable =
+            (0x21..=0x7E).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
         table[b as usize] = if printable {
             char::from_u32(b).unwrap()
         } else {
@@ -66,7 +67,10 @@ fn pre_split(text: &str) -> Vec<String> {
     while i < c.len() {
         let start = i;
         if c[i] == '\'' {
-            let rest: String = c[i + 1..c.len().min(i + 3)].iter().collect::<String>().to_lowercase();
+            let rest: String = c[i + 1..c.len().min(i + 3)]
+                .iter()
+                .collect::<String>()
+                .to_lowercase();
             let two = ["re", "ve", "ll"].iter().any(|s| rest.starts_with(s));
             let one = ["s", "t", "m", "d"].iter().any(|s| rest.starts_with(s));
             if two || one {
@@ -176,7 +180,13 @@ pub fn build(n_merges: usize, n_filler: usize) -> Vocab {
         tokens.push(s.to_string());
         types.push(ty);
     }
-    Vocab { tokens, types, merges, n_learned, eos }
+    Vocab {
+        tokens,
+        types,
+        merges,
+        n_learned,
+        eos,
+    }
 }
 
 /// Builds a vocabulary of exactly `n_vocab` tokens (bench files), padding with fillers.

@@ -1,0 +1,144 @@
+//! `cargo xtask bench`: tern against stock llama.cpp on the same files in the same run
+//! (../shared/docs/bench.md). Speed is reported as a ratio; absolute figures from a shared
+//! 2-core machine mean little on their own.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde_json::{json, Value};
+use tern::backend::cpu::CpuBackend;
+use tern::backend::Backend;
+use tern::model::Model;
+
+pub struct Options {
+    pub files: Vec<PathBuf>,
+    pub prompt_tokens: usize,
+    pub decode_tokens: usize,
+    pub runs: usize,
+    pub llama: bool,
+    pub python: String,
+}
+
+/// The token ids the llama.cpp side uses too (bench_llama.py), so both evaluate the same text.
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i * 7919 + 13) % 200 + 256) as u32).collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn bench_tern<B: Backend>(be: &B, path: &Path, o: &Options) -> Result<Value> {
+    let m = Model::open(be, path).with_context(|| format!("loading {}", path.display()))?;
+    let p = prompt(o.prompt_tokens);
+    let (mut pre, mut dec) = (Vec::new(), Vec::new());
+    for _ in 0..o.runs {
+        let mut st = m.new_state(be);
+        let t0 = Instant::now();
+        let out = m.forward(be, &mut st, &p, false)?;
+        let _ = be.argmax_rows(&out.logits);
+        let t1 = Instant::now();
+        let last = p[p.len() - 1];
+        for i in 0..o.decode_tokens {
+            let out = m.forward(be, &mut st, &[(last + i as u32) % 200 + 256], false)?;
+            let _ = be.argmax_rows(&out.logits);
+        }
+        let t2 = Instant::now();
+        pre.push(o.prompt_tokens as f64 / (t1 - t0).as_secs_f64());
+        dec.push(o.decode_tokens as f64 / (t2 - t1).as_secs_f64());
+    }
+    let weight_bytes: u64 = m.file.tensors().iter().map(|t| t.nbytes).sum();
+    Ok(json!({
+        "engine": "tern",
+        "backend": be.name(),
+        "threads": rayon::current_num_threads(),
+        "prefill_tokens": o.prompt_tokens,
+        "prefill_tps": median(pre),
+        "decode_tokens": o.decode_tokens,
+        "decode_tps": median(dec),
+        "weight_bytes": weight_bytes,
+    }))
+}
+
+fn bench_llama(path: &Path, o: &Options, script: &Path) -> Result<Value> {
+    let out = Command::new(&o.python)
+        .arg(script)
+        .arg(path)
+        .args(["--prompt-tokens", &o.prompt_tokens.to_string()])
+        .args(["--decode", &o.decode_tokens.to_string()])
+        .args(["--runs", &o.runs.to_string(), "--threads", "2"])
+        .output()
+        .with_context(|| format!("running {} (set TERN_PYTHON to a venv with llama-cpp-python)", o.python))?;
+    if !out.status.success() {
+        bail!("llama.cpp bench failed on {}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+pub fn run(root: &Path, o: &Options) -> Result<()> {
+    if o.files.is_empty() {
+        bail!("no bench files: run `cargo xtask fixtures --bench` first");
+    }
+    let be = CpuBackend::new();
+    let script = root.join("xtask/py/bench_llama.py");
+    let mut rows = Vec::new();
+    for f in &o.files {
+        if !f.exists() {
+            bail!("{} is missing: run `cargo xtask fixtures --bench`", f.display());
+        }
+        eprintln!("tern cpu on {} ...", f.display());
+        let t = bench_tern(&be, f, o)?;
+        // Stock llama.cpp has no PQ2_0/PTQ1_0 kernels: it can only run the other files.
+        let g = tern::gguf::Gguf::open(f)?;
+        let llama_can = !g.tensors().iter().any(|t| matches!(t.ty, tern::tensor::GgmlType::PQ2_0 | tern::tensor::GgmlType::PTQ1_0));
+        let l = if o.llama && llama_can {
+            eprintln!("llama.cpp on {} ...", f.display());
+            Some(bench_llama(f, o, &script)?)
+        } else {
+            None
+        };
+        rows.push(json!({"file": f.file_name().unwrap().to_string_lossy(), "tern": t, "llama": l}));
+    }
+    // Ratios are taken against llama.cpp on the Q8_0 file, the anchor of bench.md.
+    let anchor = rows.iter().find_map(|r| r["llama"].as_object().cloned());
+    println!("{:<28} {:>8} {:>14} {:>14} {:>10} {:>10}", "file", "engine", "prefill t/s", "decode t/s", "pre ratio", "dec ratio");
+    for r in &rows {
+        for eng in ["tern", "llama"] {
+            let v = &r[eng];
+            if v.is_null() {
+                continue;
+            }
+            let (pr, dr) = match &anchor {
+                Some(a) => (
+                    v["prefill_tps"].as_f64().unwrap() / a["prefill_tps"].as_f64().unwrap(),
+                    v["decode_tps"].as_f64().unwrap() / a["decode_tps"].as_f64().unwrap(),
+                ),
+                None => (f64::NAN, f64::NAN),
+            };
+            println!(
+                "{:<28} {:>8} {:>14.2} {:>14.2} {:>10.3} {:>10.3}",
+                r["file"].as_str().unwrap(),
+                eng,
+                v["prefill_tps"].as_f64().unwrap(),
+                v["decode_tps"].as_f64().unwrap(),
+                pr,
+                dr
+            );
+        }
+    }
+    let dir = root.join("target/bench");
+    std::fs::create_dir_all(&dir)?;
+    let report = json!({
+        "prompt_tokens": o.prompt_tokens,
+        "decode_tokens": o.decode_tokens,
+        "runs": o.runs,
+        "ratio_anchor": "llama.cpp on the first file it can run (bench-0.8b Q8_0)",
+        "results": rows,
+    });
+    std::fs::write(dir.join("bench.json"), serde_json::to_string_pretty(&report)?)?;
+    eprintln!("wrote {}", dir.join("bench.json").display());
+    Ok(())
+}
