@@ -14,7 +14,11 @@ use tern::sampler::{Sampler, SamplerConfig};
 use tern::tokenizer::Tokenizer;
 
 #[derive(Parser)]
-#[command(name = "tern", version, about = "Inference engine for Qwen3.5 (qwen35) GGUF models")]
+#[command(
+    name = "tern",
+    version,
+    about = "Inference engine for Qwen3.5 (qwen35) GGUF models"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -109,7 +113,14 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Inspect { model, tensors } => inspect(open_file(model)?, tensors),
-        Cmd::Logits { model, tokens, prompt, backend, mode, out } => {
+        Cmd::Logits {
+            model,
+            tokens,
+            prompt,
+            backend,
+            mode,
+            out,
+        } => {
             let file = open_file(model)?;
             let be = cpu_backend(backend)?;
             let tokens = match (tokens, prompt) {
@@ -123,19 +134,43 @@ fn main() -> Result<()> {
             let m = Model::load(&be, file)?;
             let rows = logits_rows(&be, &m, &tokens, mode)?;
             tern::npy::write(&out, &rows, &[tokens.len(), m.cfg.n_vocab])?;
-            eprintln!("wrote {} [{} x {}]", out.display(), tokens.len(), m.cfg.n_vocab);
+            eprintln!(
+                "wrote {} [{} x {}]",
+                out.display(),
+                tokens.len(),
+                m.cfg.n_vocab
+            );
             Ok(())
         }
-        Cmd::Generate { model, prompt, n_predict, temp, seed, top_k, top_p, backend } => {
+        Cmd::Generate {
+            model,
+            prompt,
+            n_predict,
+            temp,
+            seed,
+            top_k,
+            top_p,
+            backend,
+        } => {
             let file = open_file(model)?;
             let be = cpu_backend(backend)?;
-            let sampler = SamplerConfig { temperature: temp, top_k, top_p, seed };
+            let sampler = SamplerConfig {
+                temperature: temp,
+                top_k,
+                top_p,
+                seed,
+            };
             generate(&be, file, &prompt, n_predict, sampler)
         }
     }
 }
 
-fn logits_rows<B: Backend>(be: &B, m: &Model<B>, tokens: &[u32], mode: LogitsMode) -> Result<Vec<f32>> {
+fn logits_rows<B: Backend>(
+    be: &B,
+    m: &Model<B>,
+    tokens: &[u32],
+    mode: LogitsMode,
+) -> Result<Vec<f32>> {
     let mut st = m.new_state(be);
     Ok(match mode {
         LogitsMode::Prefill => be.to_host(&m.forward(be, &mut st, tokens, true)?.logits),
@@ -149,7 +184,13 @@ fn logits_rows<B: Backend>(be: &B, m: &Model<B>, tokens: &[u32], mode: LogitsMod
     })
 }
 
-fn generate<B: Backend>(be: &B, file: Arc<Gguf>, prompt: &str, n: usize, sc: SamplerConfig) -> Result<()> {
+fn generate<B: Backend>(
+    be: &B,
+    file: Arc<Gguf>,
+    prompt: &str,
+    n: usize,
+    sc: SamplerConfig,
+) -> Result<()> {
     let tok = Tokenizer::from_gguf(&file)?;
     let m = Model::load(be, file)?;
     let ids = tok.encode(prompt, true, true)?;
@@ -205,14 +246,24 @@ fn generate<B: Backend>(be: &B, file: Arc<Gguf>, prompt: &str, n: usize, sc: Sam
 
 fn inspect(file: Arc<Gguf>, all_tensors: bool) -> Result<()> {
     println!("file: {}", file.path().display());
-    println!("GGUF v{}, {} bytes, alignment {}, data at {}", file.version, file.file_len(), file.alignment, file.data_offset);
+    println!(
+        "GGUF v{}, {} bytes, alignment {}, data at {}",
+        file.version,
+        file.file_len(),
+        file.alignment,
+        file.data_offset
+    );
     println!("metadata ({} keys):", file.metadata().len());
     for (k, v) in file.metadata() {
         println!("  {k:<48} = {v}");
     }
     let ts = file.tensors();
     let total: u64 = ts.iter().map(|t| t.nbytes).sum();
-    println!("tensors: {} ({:.2} MiB)", ts.len(), total as f64 / (1 << 20) as f64);
+    println!(
+        "tensors: {} ({:.2} MiB)",
+        ts.len(),
+        total as f64 / (1 << 20) as f64
+    );
     let mut by_type: std::collections::BTreeMap<String, (usize, u64, u64)> = Default::default();
     for t in ts {
         let e = by_type.entry(t.ty.name().to_string()).or_default();
@@ -221,7 +272,10 @@ fn inspect(file: Arc<Gguf>, all_tensors: bool) -> Result<()> {
         e.2 += t.nbytes;
     }
     for (ty, (n, el, b)) in &by_type {
-        println!("  {ty:<18} {n:>5} tensors {el:>14} elements {:>10.2} MiB", *b as f64 / (1 << 20) as f64);
+        println!(
+            "  {ty:<18} {n:>5} tensors {el:>14} elements {:>10.2} MiB",
+            *b as f64 / (1 << 20) as f64
+        );
     }
     if all_tensors {
         for t in ts {

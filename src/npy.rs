@@ -6,7 +6,10 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum NpyError {
     #[error("{path}: {source}")]
-    Io { path: String, source: std::io::Error },
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("{path}: {why}")]
     Format { path: String, why: String },
 }
@@ -15,7 +18,14 @@ pub fn to_bytes(data: &[f32], shape: &[usize]) -> Vec<u8> {
     assert_eq!(data.len(), shape.iter().product::<usize>());
     let dims = match shape {
         [n] => format!("({n},)"),
-        _ => format!("({})", shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")),
+        _ => format!(
+            "({})",
+            shape
+                .iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
     };
     let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {dims}, }}");
     // Magic (6) + version (2) + header length (2) + header, padded with spaces to a multiple
@@ -35,29 +45,41 @@ pub fn to_bytes(data: &[f32], shape: &[usize]) -> Vec<u8> {
 
 pub fn write(path: impl AsRef<Path>, data: &[f32], shape: &[usize]) -> Result<(), NpyError> {
     let p = path.as_ref();
-    std::fs::write(p, to_bytes(data, shape))
-        .map_err(|source| NpyError::Io { path: p.display().to_string(), source })
+    std::fs::write(p, to_bytes(data, shape)).map_err(|source| NpyError::Io {
+        path: p.display().to_string(),
+        source,
+    })
 }
 
 /// Reads a C-order float32 array; returns the data and its shape.
 pub fn read(path: impl AsRef<Path>) -> Result<(Vec<f32>, Vec<usize>), NpyError> {
     let p = path.as_ref();
     let name = p.display().to_string();
-    let bytes =
-        std::fs::read(p).map_err(|source| NpyError::Io { path: name.clone(), source })?;
-    let bad = |why: &str| NpyError::Format { path: name.clone(), why: why.to_string() };
+    let bytes = std::fs::read(p).map_err(|source| NpyError::Io {
+        path: name.clone(),
+        source,
+    })?;
+    let bad = |why: &str| NpyError::Format {
+        path: name.clone(),
+        why: why.to_string(),
+    };
     if bytes.len() < 10 || &bytes[..6] != b"\x93NUMPY" {
         return Err(bad("not an .npy file"));
     }
     let (hlen, hstart) = match bytes[6] {
         1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
-        2 | 3 if bytes.len() >= 12 => {
-            (u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize, 12)
-        }
+        2 | 3 if bytes.len() >= 12 => (
+            u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize,
+            12,
+        ),
         _ => return Err(bad("unsupported .npy version")),
     };
-    let header = std::str::from_utf8(bytes.get(hstart..hstart + hlen).ok_or_else(|| bad("truncated header"))?)
-        .map_err(|_| bad("header is not UTF-8"))?;
+    let header = std::str::from_utf8(
+        bytes
+            .get(hstart..hstart + hlen)
+            .ok_or_else(|| bad("truncated header"))?,
+    )
+    .map_err(|_| bad("header is not UTF-8"))?;
     if !header.contains("'descr': '<f4'") {
         return Err(bad("dtype is not little-endian float32"));
     }
@@ -75,9 +97,16 @@ pub fn read(path: impl AsRef<Path>) -> Result<(Vec<f32>, Vec<usize>), NpyError> 
     let n: usize = shape.iter().product();
     let body = &bytes[hstart + hlen..];
     if body.len() != n * 4 {
-        return Err(bad(&format!("data has {} bytes, shape {shape:?} needs {}", body.len(), n * 4)));
+        return Err(bad(&format!(
+            "data has {} bytes, shape {shape:?} needs {}",
+            body.len(),
+            n * 4
+        )));
     }
-    let data = body.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+    let data = body
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
     Ok((data, shape))
 }
 

@@ -11,7 +11,12 @@ pub struct SamplerConfig {
 
 impl Default for SamplerConfig {
     fn default() -> Self {
-        SamplerConfig { temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0 }
+        SamplerConfig {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+        }
     }
 }
 
@@ -47,7 +52,10 @@ impl Sampler {
         }
         let t = self.cfg.temperature;
         let m = logits[idx[0]];
-        let mut p: Vec<f64> = idx.iter().map(|&i| (((logits[i] - m) / t) as f64).exp()).collect();
+        let mut p: Vec<f64> = idx
+            .iter()
+            .map(|&i| (((logits[i] - m) / t) as f64).exp())
+            .collect();
         let total: f64 = p.iter().sum();
         p.iter_mut().for_each(|v| *v /= total);
         if self.cfg.top_p < 1.0 {
@@ -94,12 +102,31 @@ mod tests {
     fn greedy_and_seeded() {
         let logits = [0.1f32, 2.0, -1.0, 1.9];
         assert_eq!(Sampler::new(SamplerConfig::default()).sample(&logits), 1);
-        let cfg = SamplerConfig { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 };
-        let a: Vec<u32> = { let mut s = Sampler::new(cfg.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(cfg); (0..50).map(|_| s.sample(&logits)).collect() };
+        let cfg = SamplerConfig {
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 7,
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(cfg.clone());
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(cfg);
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b, "same seed, same draws");
-        assert!(a.contains(&3) && a.contains(&1), "temperature 1 explores: {a:?}");
-        let mut top1 = Sampler::new(SamplerConfig { temperature: 1.0, top_k: 1, top_p: 1.0, seed: 1 });
+        assert!(
+            a.contains(&3) && a.contains(&1),
+            "temperature 1 explores: {a:?}"
+        );
+        let mut top1 = Sampler::new(SamplerConfig {
+            temperature: 1.0,
+            top_k: 1,
+            top_p: 1.0,
+            seed: 1,
+        });
         assert!((0..20).all(|_| top1.sample(&logits) == 1));
     }
 }

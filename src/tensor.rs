@@ -191,7 +191,10 @@ impl GgmlType {
     /// Whether tern has dequantization and kernels for this type.
     pub fn can_compute(self) -> bool {
         use GgmlType::*;
-        matches!(self, F32 | F16 | BF16 | Q8_0 | Q4_0 | PQ2_0 | PTQ1_0 | Q2_0Legacy)
+        matches!(
+            self,
+            F32 | F16 | BF16 | Q8_0 | Q4_0 | PQ2_0 | PTQ1_0 | Q2_0Legacy
+        )
     }
 
     /// Bytes of one row of `n` elements, or `None` when `n` is not a whole number of blocks

@@ -20,6 +20,10 @@
 //!   unused/undefined tokens as nothing. The pieces are precomputed once at load.
 //! - end-of-generation tokens are chosen by llama.cpp's text list plus eos/eot/eom and the
 //!   FIM pad/repo/separator tokens.
+//! - the pre-tokenizer regex is llama.cpp's, with the code points new in Unicode 16 taken out
+//!   of `\p{L}`, `\p{M}` and `\p{N}` (see `UNICODE16_LMN`). With that, it cut ~100k random
+//!   strings (whole code space, plus whitespace, marks, digits and apostrophes) exactly as
+//!   llama.cpp's own splitter (`unicode.cpp`, compiled) did, for qwen35 and qwen2.
 //!
 //! Deliberate differences from llama.cpp, all on malformed or foreign files: a missing
 //! `tokenizer.ggml.pre`, a pre other than `qwen35`/`qwen2`, an out-of-range special token id,
@@ -1661,40 +1665,5 @@ mod tests {
             t.encode(text, false, false).unwrap(),
             reference_encode(&v, &pre)
         );
-    }
-
-    #[test]
-    #[ignore]
-    fn tmp_big_vocab() {
-        let mut tokens: Vec<String> = byte_to_unicode().iter().map(|c| c.to_string()).collect();
-        let mut seen: HashSet<String> = tokens.iter().cloned().collect();
-        let mut merges = Vec::new();
-        let mut state = 88172645463325252u64;
-        let mut next = || { state ^= state << 13; state ^= state >> 7; state ^= state << 17; state };
-        while tokens.len() < 248_000 {
-            let a = (next() % tokens.len() as u64) as usize;
-            let b = (next() % tokens.len() as u64) as usize;
-            let m = format!("{}{}", tokens[a], tokens[b]);
-            if m.chars().count() > 12 || !seen.insert(m.clone()) { continue; }
-            merges.push(format!("{} {}", tokens[a], tokens[b]));
-            tokens.push(m);
-        }
-        let mut types = vec![1; tokens.len()];
-        for (s, t) in SPECIALS { tokens.push(s.to_string()); types.push(t); }
-        let mut w = GgufWriter::new();
-        w.set(key::MODEL, Value::String("gpt2".into())).set(key::PRE, Value::String("qwen35".into()))
-            .set(key::TOKENS, Value::str_array(&tokens)).set(key::TOKEN_TYPE, Value::i32_array(&types))
-            .set(key::MERGES, Value::str_array(&merges));
-        let g = Gguf::from_bytes("big.gguf", w.to_bytes()).unwrap();
-        let t0 = std::time::Instant::now();
-        let t = Tokenizer::from_gguf(&g).unwrap();
-        eprintln!("load {:?} for {} tokens {} merges", t0.elapsed(), t.n_vocab(), merges.len());
-        let text = format!("{}<|im_end|>", CORPUS).repeat(200);
-        let t0 = std::time::Instant::now();
-        let ids = t.encode(&text, false, true).unwrap();
-        eprintln!("encode {} bytes -> {} ids in {:?}", text.len(), ids.len(), t0.elapsed());
-        let t0 = std::time::Instant::now();
-        assert_eq!(t.decode(&ids, false).unwrap(), text);
-        eprintln!("decode {:?}", t0.elapsed());
     }
 }

@@ -9,7 +9,9 @@ fn tern() -> Command {
 }
 
 fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
 }
 
 fn tmp(name: &str) -> PathBuf {
@@ -20,8 +22,16 @@ fn tmp(name: &str) -> PathBuf {
 
 #[test]
 fn inspect_describes_the_fixture() {
-    let out = tern().args(["inspect", "--model"]).arg(fixture("tiny-pq2_0.gguf")).output().unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = tern()
+        .args(["inspect", "--model"])
+        .arg(fixture("tiny-pq2_0.gguf"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let s = String::from_utf8_lossy(&out.stdout);
     assert!(s.contains("general.architecture"), "{s}");
     assert!(s.contains("PQ2_0"), "{s}");
@@ -34,13 +44,26 @@ fn logits_rows_match_between_prefill_and_decode_modes() {
     let (a, b) = (tmp("a.npy"), tmp("b.npy"));
     for (mode, out) in [("prefill", &a), ("decode", &b)] {
         let st = tern()
-            .args(["logits", "--backend", "cpu", "--tokens", "1,2,3,40,5", "--mode", mode, "--model"])
+            .args([
+                "logits",
+                "--backend",
+                "cpu",
+                "--tokens",
+                "1,2,3,40,5",
+                "--mode",
+                mode,
+                "--model",
+            ])
             .arg(fixture("tiny-f32.gguf"))
             .arg("--out")
             .arg(out)
             .output()
             .unwrap();
-        assert!(st.status.success(), "{}", String::from_utf8_lossy(&st.stderr));
+        assert!(
+            st.status.success(),
+            "{}",
+            String::from_utf8_lossy(&st.stderr)
+        );
     }
     let (x, sx) = tern::npy::read(&a).unwrap();
     let (y, sy) = tern::npy::read(&b).unwrap();
@@ -52,8 +75,25 @@ fn logits_rows_match_between_prefill_and_decode_modes() {
 #[test]
 fn generate_on_the_bundled_model_is_deterministic() {
     let run = || {
-        let out = tern().args(["generate", "--prompt", "Hello there", "-n", "12", "--temp", "0.8", "--seed", "5"]).output().unwrap();
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let out = tern()
+            .args([
+                "generate",
+                "--prompt",
+                "Hello there",
+                "-n",
+                "12",
+                "--temp",
+                "0.8",
+                "--seed",
+                "5",
+            ])
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let err = String::from_utf8_lossy(&out.stderr).to_string();
         assert!(err.contains("t/s"), "tokens/s on stderr: {err}");
         String::from_utf8_lossy(&out.stdout).to_string()
@@ -67,18 +107,32 @@ fn generate_on_the_bundled_model_is_deterministic() {
 fn bad_input_is_an_error_not_a_panic() {
     let bogus = tmp("bogus.gguf");
     std::fs::write(&bogus, b"GGUF\x03\x00\x00\x00\xff").unwrap();
-    let out = tern().args(["inspect", "--model"]).arg(&bogus).output().unwrap();
+    let out = tern()
+        .args(["inspect", "--model"])
+        .arg(&bogus)
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("bogus.gguf") && err.contains("truncated"), "{err}");
+    assert!(
+        err.contains("bogus.gguf") && err.contains("truncated"),
+        "{err}"
+    );
     assert!(!err.contains("panicked"), "{err}");
 
-    let out = tern().args(["logits", "--tokens", "999999", "--out"]).arg(tmp("x.npy")).output().unwrap();
+    let out = tern()
+        .args(["logits", "--tokens", "999999", "--out"])
+        .arg(tmp("x.npy"))
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("999999") && !err.contains("panicked"), "{err}");
 
-    let out = tern().args(["generate", "--prompt", "x", "--backend", "cuda"]).output().unwrap();
+    let out = tern()
+        .args(["generate", "--prompt", "x", "--backend", "cuda"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not available"));
 }

@@ -31,7 +31,10 @@ fn every_type_file() -> Vec<u8> {
             "t.nested",
             Value::Array(
                 ValueType::Array,
-                vec![Value::f32_array(&[1.0, 2.0]), Value::Array(ValueType::U8, vec![])],
+                vec![
+                    Value::f32_array(&[1.0, 2.0]),
+                    Value::Array(ValueType::U8, vec![]),
+                ],
             ),
         );
     w.add_f32("a", &[4, 2], &[0.5; 8]);
@@ -47,17 +50,19 @@ fn fixture_bytes() -> Option<Vec<u8>> {
 
 /// Parses and, when that succeeds, loads the model: both must return rather than panic.
 fn must_not_panic(bytes: Vec<u8>, what: &str) -> bool {
-    let r = catch_unwind(AssertUnwindSafe(|| match Gguf::from_bytes("mem.gguf", bytes) {
-        Ok(g) => {
-            for t in g.tensors() {
-                let _ = g.tensor_data(t).len();
+    let r = catch_unwind(AssertUnwindSafe(|| {
+        match Gguf::from_bytes("mem.gguf", bytes) {
+            Ok(g) => {
+                for t in g.tensors() {
+                    let _ = g.tensor_data(t).len();
+                }
+                let _ = Model::load(&CpuBackend::new(), Arc::new(g)).is_ok();
+                true
             }
-            let _ = Model::load(&CpuBackend::new(), Arc::new(g)).is_ok();
-            true
-        }
-        Err(e) => {
-            assert!(!e.to_string().is_empty());
-            false
+            Err(e) => {
+                assert!(!e.to_string().is_empty());
+                false
+            }
         }
     }));
     match r {
@@ -72,10 +77,19 @@ fn round_trip_every_value_type() {
     assert_eq!(g.get("t.u64"), Some(&Value::U64(u64::MAX)));
     assert_eq!(g.get("t.i64"), Some(&Value::I64(i64::MIN)));
     assert_eq!(g.get_str("t.str"), Some("héllo ✓"));
-    assert_eq!(g.get("t.nested").unwrap().as_array().unwrap()[0], Value::f32_array(&[1.0, 2.0]));
-    assert_eq!(g.get("t.nested").unwrap().as_array().unwrap()[1], Value::Array(ValueType::U8, vec![]));
+    assert_eq!(
+        g.get("t.nested").unwrap().as_array().unwrap()[0],
+        Value::f32_array(&[1.0, 2.0])
+    );
+    assert_eq!(
+        g.get("t.nested").unwrap().as_array().unwrap()[1],
+        Value::Array(ValueType::U8, vec![])
+    );
     let c = g.tensor("c").unwrap();
-    assert_eq!((c.ty, c.nbytes, c.dims.clone()), (GgmlType::PQ2_0, 68, vec![128, 2]));
+    assert_eq!(
+        (c.ty, c.nbytes, c.dims.clone()),
+        (GgmlType::PQ2_0, 68, vec![128, 2])
+    );
     assert_eq!(g.tensor_data(c), &[1u8; 68][..]);
     assert_eq!(g.tensor_data(g.tensor("a").unwrap()).len(), 32);
     assert_eq!(g.data_offset % 32, 0);
@@ -84,7 +98,12 @@ fn round_trip_every_value_type() {
 /// End of the last tensor's bytes: what follows is alignment padding, which may be missing.
 fn content_end(bytes: &[u8]) -> usize {
     let g = Gguf::from_bytes("f", bytes.to_vec()).unwrap();
-    let end = g.tensors().iter().map(|t| t.offset + t.nbytes).max().unwrap_or(0);
+    let end = g
+        .tensors()
+        .iter()
+        .map(|t| t.offset + t.nbytes)
+        .max()
+        .unwrap_or(0);
     (g.data_offset + end) as usize
 }
 
@@ -113,7 +132,10 @@ fn fixture_truncations_and_corruptions() {
     let end = content_end(&full);
     for n in cuts {
         let parsed = must_not_panic(full[..n].to_vec(), &format!("truncation to {n}"));
-        assert!(!parsed || n >= end, "truncation to {n} of {end} content bytes parsed");
+        assert!(
+            !parsed || n >= end,
+            "truncation to {n} of {end} content bytes parsed"
+        );
     }
     // Seeded corruptions, biased to the header where parsing decisions are made.
     let mut s = 0x5eed_u64;
@@ -129,7 +151,11 @@ fn fixture_truncations_and_corruptions() {
         let mut b = full.clone();
         let flips = 1 + next() % 4;
         for _ in 0..flips {
-            let range = if next() % 8 == 0 { b.len() } else { data_offset };
+            let range = if next() % 8 == 0 {
+                b.len()
+            } else {
+                data_offset
+            };
             let at = (next() as usize) % range;
             b[at] = match next() % 3 {
                 0 => b[at] ^ (1 << (next() % 8)),
@@ -165,7 +191,10 @@ fn named_errors() {
     b[4..8].copy_from_slice(&1u32.to_le_bytes());
     assert_eq!(format_err(b), FormatError::UnsupportedVersion(1));
     let end = content_end(&good);
-    assert!(matches!(format_err(good[..end - 1].to_vec()), FormatError::TensorOutOfBounds { .. }));
+    assert!(matches!(
+        format_err(good[..end - 1].to_vec()),
+        FormatError::TensorOutOfBounds { .. }
+    ));
     assert!(Gguf::from_bytes("no-trailing-padding", good[..end].to_vec()).is_ok());
 
     let mut w = GgufWriter::new();
@@ -173,27 +202,53 @@ fn named_errors() {
     let b = w.to_bytes();
     // Header 24 bytes, then the entry: name (8 + 1), n_dims (4), ne0 (8) at 37, type id at 45.
     let p = 45;
-    assert_eq!(b[p..p + 4], 8u32.to_le_bytes(), "layout of the one-tensor file");
+    assert_eq!(
+        b[p..p + 4],
+        8u32.to_le_bytes(),
+        "layout of the one-tensor file"
+    );
     let mut bad = b.clone();
     bad[p..p + 4].copy_from_slice(&77u32.to_le_bytes());
-    assert_eq!(format_err(bad), FormatError::UnknownTensorType { name: "x".into(), id: 77 });
+    assert_eq!(
+        format_err(bad),
+        FormatError::UnknownTensorType {
+            name: "x".into(),
+            id: 77
+        }
+    );
     let mut bad = b.clone();
     bad[p - 8..p].copy_from_slice(&u64::MAX.to_le_bytes());
-    assert!(matches!(format_err(bad), FormatError::DimensionOverflow { .. } | FormatError::BadRowLength { .. }));
+    assert!(matches!(
+        format_err(bad),
+        FormatError::DimensionOverflow { .. } | FormatError::BadRowLength { .. }
+    ));
     let mut bad = b;
     bad[p - 8..p].copy_from_slice(&(1u64 << 40).to_le_bytes());
-    assert!(matches!(format_err(bad), FormatError::TensorOutOfBounds { .. }));
+    assert!(matches!(
+        format_err(bad),
+        FormatError::TensorOutOfBounds { .. }
+    ));
 }
 
 #[test]
 fn legacy_type_42_is_detected_by_size() {
     // 34 bytes per 128 (legacy prism) vs 36 bytes per 128 (upstream Q2_0 at group 64).
     let mut w = GgufWriter::new();
-    w.add_tensor("legacy", &[1024, 4], GgmlType::Q2_0Legacy, vec![0u8; 8 * 34 * 4]);
+    w.add_tensor(
+        "legacy",
+        &[1024, 4],
+        GgmlType::Q2_0Legacy,
+        vec![0u8; 8 * 34 * 4],
+    );
     let g = Gguf::from_bytes("l", w.to_bytes()).unwrap();
     assert_eq!(g.tensor("legacy").unwrap().ty, GgmlType::Q2_0Legacy);
     let mut w = GgufWriter::new();
-    w.add_tensor("upstream", &[1024, 4], GgmlType::Q2_0, vec![0u8; 16 * 18 * 4]);
+    w.add_tensor(
+        "upstream",
+        &[1024, 4],
+        GgmlType::Q2_0,
+        vec![0u8; 16 * 18 * 4],
+    );
     let g = Gguf::from_bytes("u", w.to_bytes()).unwrap();
     assert_eq!(g.tensor("upstream").unwrap().ty, GgmlType::Q2_0);
 }

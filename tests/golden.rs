@@ -19,7 +19,8 @@ struct Fixture {
 
 fn manifest_entry(file: &str) -> Fixture {
     let path = fixtures().join("manifest.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e} (run `cargo xtask fixtures`)", path.display()));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (run `cargo xtask fixtures`)", path.display()));
     let m: serde_json::Value = serde_json::from_str(&text).expect("manifest.json parses");
     let e = m["fixtures"]
         .as_array()
@@ -29,7 +30,12 @@ fn manifest_entry(file: &str) -> Fixture {
         .unwrap_or_else(|| panic!("{file} not in the manifest"));
     Fixture {
         file: file.to_string(),
-        tokens: e["tokens"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect(),
+        tokens: e["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect(),
         weight_type: e["weight_type"].as_str().unwrap_or("").to_string(),
     }
 }
@@ -51,7 +57,11 @@ fn argmax(r: &[f32]) -> usize {
 /// rounding may legitimately flip the order.
 fn top1_mismatches(ours: &[f32], gold: &[f32], n_vocab: usize) -> Vec<usize> {
     let mut bad = Vec::new();
-    for (p, (a, g)) in rows(ours, n_vocab).into_iter().zip(rows(gold, n_vocab)).enumerate() {
+    for (p, (a, g)) in rows(ours, n_vocab)
+        .into_iter()
+        .zip(rows(gold, n_vocab))
+        .enumerate()
+    {
         let mut s: Vec<f32> = g.to_vec();
         s.sort_by(|x, y| y.total_cmp(x));
         if s[0] - s[1] > 1e-3 && argmax(a) != argmax(g) {
@@ -95,24 +105,42 @@ fn check<B: Backend>(be: &B, file: &str) {
     let pd = nmse(&decode, &prefill);
     println!("{file} [{}]: prefill vs decode NMSE {pd:.3e}", be.name());
     // Same math, different batching: only summation order differs.
-    assert!(pd < 1e-9, "{file}: prefill and decode disagree, NMSE {pd:e}");
+    assert!(
+        pd < 1e-9,
+        "{file}: prefill and decode disagree, NMSE {pd:e}"
+    );
 
-    let (exact, shape) = golden(&format!("{stem}.exact.npy"))
-        .unwrap_or_else(|| panic!("fixtures/golden/{stem}.exact.npy missing: run `cargo xtask goldens`"));
+    let (exact, shape) = golden(&format!("{stem}.exact.npy")).unwrap_or_else(|| {
+        panic!("fixtures/golden/{stem}.exact.npy missing: run `cargo xtask goldens`")
+    });
     assert_eq!(shape, vec![t.len(), nv]);
     for (mode, ours) in [("prefill", &prefill), ("decode", &decode)] {
         let e = nmse(ours, &exact);
         let bad = top1_mismatches(ours, &exact, nv);
-        println!("{file} [{}] {mode}: exact golden NMSE {e:.3e}, top-1 mismatches {}/{}", be.name(), bad.len(), t.len());
+        println!(
+            "{file} [{}] {mode}: exact golden NMSE {e:.3e}, top-1 mismatches {}/{}",
+            be.name(),
+            bad.len(),
+            t.len()
+        );
         // f32 activations throughout, against llama.cpp on the f32 twin (goldens.md).
         assert!(e <= 1e-6, "{file} {mode}: NMSE {e:e} vs exact golden");
-        assert!(bad.is_empty(), "{file} {mode}: top-1 differs at positions {bad:?}");
+        assert!(
+            bad.is_empty(),
+            "{file} {mode}: top-1 differs at positions {bad:?}"
+        );
     }
     if let Some((lg, _)) = golden(&format!("{stem}.llama.npy")) {
         let e = nmse(&prefill, &lg);
         let tol = llama_tolerance(&fx.weight_type);
-        println!("{file} [{}]: llama.cpp-on-file golden NMSE {e:.3e} (tolerance {tol:e})", be.name());
-        assert!(e <= tol, "{file}: NMSE {e:e} vs llama.cpp's golden on the file");
+        println!(
+            "{file} [{}]: llama.cpp-on-file golden NMSE {e:.3e} (tolerance {tol:e})",
+            be.name()
+        );
+        assert!(
+            e <= tol,
+            "{file}: NMSE {e:e} vs llama.cpp's golden on the file"
+        );
     }
 
     if m.cfg.has_mtp() {
@@ -127,7 +155,11 @@ fn check<B: Backend>(be: &B, file: &str) {
         let mo = be.to_host(&m.mtp_forward(be, &mut ms, t, &hp).unwrap().logits);
         let e = nmse(&mo, &gm);
         let bad = top1_mismatches(&mo, &gm, nv);
-        println!("{file} [{}]: MTP head vs NumPy reference NMSE {e:.3e}, top-1 mismatches {}", be.name(), bad.len());
+        println!(
+            "{file} [{}]: MTP head vs NumPy reference NMSE {e:.3e}, top-1 mismatches {}",
+            be.name(),
+            bad.len()
+        );
         assert!(e <= 1e-6, "{file}: MTP NMSE {e:e}");
         assert!(bad.is_empty(), "{file}: MTP top-1 differs at {bad:?}");
     }

@@ -17,7 +17,11 @@ use crate::tensor::GgmlType;
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
     #[error("tensor {name:?}: type {ty} has no kernel in the {backend} backend")]
-    UnsupportedType { name: String, ty: GgmlType, backend: &'static str },
+    UnsupportedType {
+        name: String,
+        ty: GgmlType,
+        backend: &'static str,
+    },
     #[error("tensor {name:?}: {what}")]
     BadWeight { name: String, what: String },
     #[error("backend {0:?} is not available: {1}")]

@@ -37,7 +37,12 @@ pub enum FormatError {
     #[error("unsupported GGUF version {0} (tern reads versions 2 and 3)")]
     UnsupportedVersion(u32),
     #[error("truncated header: needed {needed} bytes at offset {offset} while reading {what}, file has {len}")]
-    Truncated { what: String, offset: u64, needed: u64, len: u64 },
+    Truncated {
+        what: String,
+        offset: u64,
+        needed: u64,
+        len: u64,
+    },
     #[error("metadata key {key:?}: unknown value type id {id}")]
     UnknownValueType { key: String, id: u32 },
     #[error("metadata key {key:?}: arrays nested deeper than {max}")]
@@ -57,11 +62,25 @@ pub enum FormatError {
     #[error("tensor {name:?}: dimensions {dims:?} overflow the element count")]
     DimensionOverflow { name: String, dims: Vec<u64> },
     #[error("tensor {name:?}: ne0 = {ne0} is not a multiple of the {ty} block size {block}")]
-    BadRowLength { name: String, ne0: u64, ty: GgmlType, block: usize },
+    BadRowLength {
+        name: String,
+        ne0: u64,
+        ty: GgmlType,
+        block: usize,
+    },
     #[error("tensor {name:?}: data offset {offset} is not aligned to {alignment}")]
-    MisalignedTensor { name: String, offset: u64, alignment: u64 },
+    MisalignedTensor {
+        name: String,
+        offset: u64,
+        alignment: u64,
+    },
     #[error("tensor {name:?}: data [{start}, {end}) lies outside the {len}-byte data section (truncated data?)")]
-    TensorOutOfBounds { name: String, start: u64, end: u64, len: u64 },
+    TensorOutOfBounds {
+        name: String,
+        start: u64,
+        end: u64,
+        len: u64,
+    },
     #[error("duplicate tensor name {0:?}")]
     DuplicateTensor(String),
     #[error("tensor count {0} is larger than the file could hold")]

@@ -84,7 +84,10 @@ impl Gguf {
     /// Maps the file and parses header, metadata and tensor table.
     pub fn open(path: impl AsRef<Path>) -> Result<Gguf, GgufError> {
         let path = path.as_ref().to_path_buf();
-        let io = |source| GgufError::Io { path: path.clone(), source };
+        let io = |source| GgufError::Io {
+            path: path.clone(),
+            source,
+        };
         let file = File::open(&path).map_err(io)?;
         // SAFETY: the mapping is read-only; a file changed underneath us is the user's
         // problem in every mmap-based loader (llama.cpp included).
@@ -100,9 +103,18 @@ impl Gguf {
     fn parse(path: PathBuf, backing: Backing) -> Result<Gguf, GgufError> {
         match parse_header(backing.bytes()) {
             Ok(h) => {
-                let index = h.metadata.iter().enumerate().map(|(i, (k, _))| (k.clone(), i)).collect();
-                let tensor_index =
-                    h.tensors.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+                let index = h
+                    .metadata
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (k, _))| (k.clone(), i))
+                    .collect();
+                let tensor_index = h
+                    .tensors
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| (t.name.clone(), i))
+                    .collect();
                 Ok(Gguf {
                     path,
                     backing: Arc::new(backing),
@@ -187,9 +199,15 @@ struct Cursor<'a> {
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: u64, what: &dyn Fn() -> String) -> Result<&'a [u8], FormatError> {
         let len = self.buf.len() as u64;
-        let end = (self.pos as u64).checked_add(n).filter(|&e| e <= len).ok_or_else(|| {
-            FormatError::Truncated { what: what(), offset: self.pos as u64, needed: n, len }
-        })?;
+        let end = (self.pos as u64)
+            .checked_add(n)
+            .filter(|&e| e <= len)
+            .ok_or_else(|| FormatError::Truncated {
+                what: what(),
+                offset: self.pos as u64,
+                needed: n,
+                len,
+            })?;
         let s = &self.buf[self.pos..end as usize];
         self.pos = end as usize;
         Ok(s)
@@ -232,11 +250,16 @@ fn read_value(
         ValueType::F64 => Value::F64(f64::from_bits(c.u64(&what)?)),
         ValueType::Array => {
             if depth >= MAX_ARRAY_DEPTH {
-                return Err(FormatError::NestingTooDeep { key: key.to_string(), max: MAX_ARRAY_DEPTH });
+                return Err(FormatError::NestingTooDeep {
+                    key: key.to_string(),
+                    max: MAX_ARRAY_DEPTH,
+                });
             }
             let id = c.u32(&what)?;
-            let ety = ValueType::from_id(id)
-                .ok_or_else(|| FormatError::UnknownValueType { key: key.to_string(), id })?;
+            let ety = ValueType::from_id(id).ok_or_else(|| FormatError::UnknownValueType {
+                key: key.to_string(),
+                id,
+            })?;
             let n = c.u64(&what)?;
             // Every element takes at least one byte: a count beyond the bytes left is a lie, and
             // must not drive an allocation.
@@ -282,8 +305,10 @@ fn parse_header(buf: &[u8]) -> Result<Header, FormatError> {
     for i in 0..n_kv {
         let key = c.string(&|| format!("metadata key #{i}"))?;
         let id = c.u32(&|| format!("type of {key:?}"))?;
-        let ty = ValueType::from_id(id)
-            .ok_or_else(|| FormatError::UnknownValueType { key: key.clone(), id })?;
+        let ty = ValueType::from_id(id).ok_or_else(|| FormatError::UnknownValueType {
+            key: key.clone(),
+            id,
+        })?;
         let v = read_value(&mut c, ty, &key, 0)?;
         if !seen.insert(key.clone()) {
             return Err(FormatError::DuplicateKey(key));
@@ -317,8 +342,10 @@ fn parse_header(buf: &[u8]) -> Result<Header, FormatError> {
             dims.push(c.u64(&what)?);
         }
         let id = c.u32(&what)?;
-        let ty = GgmlType::from_id(id)
-            .ok_or_else(|| FormatError::UnknownTensorType { name: name.clone(), id })?;
+        let ty = GgmlType::from_id(id).ok_or_else(|| FormatError::UnknownTensorType {
+            name: name.clone(),
+            id,
+        })?;
         let offset = c.u64(&what)?;
         let mut n_el: u64 = 1;
         for &d in &dims {
@@ -330,7 +357,12 @@ fn parse_header(buf: &[u8]) -> Result<Header, FormatError> {
         let ne0 = dims.first().copied().unwrap_or(1);
         let (block, _) = ty.block();
         if ne0 % block as u64 != 0 {
-            return Err(FormatError::BadRowLength { name, ne0, ty, block });
+            return Err(FormatError::BadRowLength {
+                name,
+                ne0,
+                ty,
+                block,
+            });
         }
         let nbytes = ty
             .row_bytes(ne0)
@@ -341,12 +373,22 @@ fn parse_header(buf: &[u8]) -> Result<Header, FormatError> {
             return Err(FormatError::DimensionOverflow { name, dims });
         }
         if offset % alignment != 0 {
-            return Err(FormatError::MisalignedTensor { name, offset, alignment });
+            return Err(FormatError::MisalignedTensor {
+                name,
+                offset,
+                alignment,
+            });
         }
         if !names.insert(name.clone()) {
             return Err(FormatError::DuplicateTensor(name));
         }
-        tensors.push(TensorInfo { name, dims, ty, offset, nbytes });
+        tensors.push(TensorInfo {
+            name,
+            dims,
+            ty,
+            offset,
+            nbytes,
+        });
     }
 
     let data_offset = (c.pos as u64).div_ceil(alignment) * alignment;
@@ -374,7 +416,13 @@ fn parse_header(buf: &[u8]) -> Result<Header, FormatError> {
             }
         }
     }
-    Ok(Header { version, metadata, tensors, alignment, data_offset })
+    Ok(Header {
+        version,
+        metadata,
+        tensors,
+        alignment,
+        data_offset,
+    })
 }
 
 /// Type 42 means upstream Q2_0 (18 B per 64) in current files and PrismML's pre-v7 group-128
@@ -385,7 +433,11 @@ fn detect_legacy_q2_0(tensors: &mut [TensorInfo], data_len: u64) {
     let mut starts: Vec<u64> = tensors.iter().map(|t| t.offset).collect();
     starts.sort_unstable();
     for t in tensors.iter_mut().filter(|t| t.ty == GgmlType::Q2_0) {
-        let next = starts.iter().copied().find(|&s| s > t.offset).unwrap_or(data_len);
+        let next = starts
+            .iter()
+            .copied()
+            .find(|&s| s > t.offset)
+            .unwrap_or(data_len);
         let span = next.saturating_sub(t.offset);
         let n_el = t.n_elements();
         let legacy = GgmlType::Q2_0Legacy

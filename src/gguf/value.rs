@@ -154,16 +154,25 @@ impl Value {
     pub fn str_array<S: AsRef<str>>(items: &[S]) -> Value {
         Value::Array(
             ValueType::String,
-            items.iter().map(|s| Value::String(s.as_ref().to_string())).collect(),
+            items
+                .iter()
+                .map(|s| Value::String(s.as_ref().to_string()))
+                .collect(),
         )
     }
 
     pub fn i32_array(items: &[i32]) -> Value {
-        Value::Array(ValueType::I32, items.iter().map(|&v| Value::I32(v)).collect())
+        Value::Array(
+            ValueType::I32,
+            items.iter().map(|&v| Value::I32(v)).collect(),
+        )
     }
 
     pub fn f32_array(items: &[f32]) -> Value {
-        Value::Array(ValueType::F32, items.iter().map(|&v| Value::F32(v)).collect())
+        Value::Array(
+            ValueType::F32,
+            items.iter().map(|&v| Value::F32(v)).collect(),
+        )
     }
 }
 

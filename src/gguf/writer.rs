@@ -33,7 +33,10 @@ impl Default for GgufWriter {
 
 impl GgufWriter {
     pub fn new() -> Self {
-        GgufWriter { metadata: Vec::new(), tensors: Vec::new() }
+        GgufWriter {
+            metadata: Vec::new(),
+            tensors: Vec::new(),
+        }
     }
 
     /// Sets a key, replacing an earlier value of the same key in place.
@@ -48,9 +51,19 @@ impl GgufWriter {
 
     /// Adds a tensor whose bytes are already encoded in `ty`. Panics on a size mismatch: the
     /// writer is for our own fixtures, where that is a programming error.
-    pub fn add_tensor(&mut self, name: &str, dims: &[u64], ty: GgmlType, data: Vec<u8>) -> &mut Self {
+    pub fn add_tensor(
+        &mut self,
+        name: &str,
+        dims: &[u64],
+        ty: GgmlType,
+        data: Vec<u8>,
+    ) -> &mut Self {
         let expect = expected_bytes(dims, ty);
-        assert_eq!(data.len() as u64, expect, "tensor {name}: {ty} {dims:?} needs {expect} bytes");
+        assert_eq!(
+            data.len() as u64,
+            expect,
+            "tensor {name}: {ty} {dims:?} needs {expect} bytes"
+        );
         self.tensors.push(PendingTensor {
             name: name.to_string(),
             dims: dims.to_vec(),
@@ -61,7 +74,12 @@ impl GgufWriter {
     }
 
     pub fn add_f32(&mut self, name: &str, dims: &[u64], data: &[f32]) -> &mut Self {
-        self.add_tensor(name, dims, GgmlType::F32, bytemuck::cast_slice(data).to_vec())
+        self.add_tensor(
+            name,
+            dims,
+            GgmlType::F32,
+            bytemuck::cast_slice(data).to_vec(),
+        )
     }
 
     /// A tensor whose data is all zeros and costs no disk (for header-only fixtures).
@@ -162,7 +180,9 @@ impl GgufWriter {
 fn expected_bytes(dims: &[u64], ty: GgmlType) -> u64 {
     let ne0 = dims.first().copied().unwrap_or(1);
     let rows: u64 = dims.iter().skip(1).product();
-    ty.row_bytes(ne0).expect("row length is a whole number of blocks") * rows
+    ty.row_bytes(ne0)
+        .expect("row length is a whole number of blocks")
+        * rows
 }
 
 fn write_str(out: &mut Vec<u8>, s: &str) {

@@ -47,23 +47,33 @@ impl Keys<'_> {
         let key = self.key(k);
         match self.g.get(&key) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(|x| Some(x as usize)).ok_or_else(|| ModelError::BadKey {
-                key,
-                why: format!("expected an unsigned integer, found {}", v.value_type().name()),
-            }),
+            Some(v) => v
+                .as_u64()
+                .map(|x| Some(x as usize))
+                .ok_or_else(|| ModelError::BadKey {
+                    key,
+                    why: format!(
+                        "expected an unsigned integer, found {}",
+                        v.value_type().name()
+                    ),
+                }),
         }
     }
     fn req(&self, k: &str) -> Result<usize, ModelError> {
-        self.u(k)?.ok_or_else(|| ModelError::MissingKey(self.key(k)))
+        self.u(k)?
+            .ok_or_else(|| ModelError::MissingKey(self.key(k)))
     }
     fn f(&self, k: &str) -> Result<Option<f32>, ModelError> {
         let key = self.key(k);
         match self.g.get(&key) {
             None => Ok(None),
-            Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| ModelError::BadKey {
-                key,
-                why: format!("expected a number, found {}", v.value_type().name()),
-            }),
+            Some(v) => v
+                .as_f64()
+                .map(|x| Some(x as f32))
+                .ok_or_else(|| ModelError::BadKey {
+                    key,
+                    why: format!("expected a number, found {}", v.value_type().name()),
+                }),
         }
     }
 }
@@ -77,14 +87,19 @@ impl Config {
             return Err(ModelError::UnsupportedArch(arch.to_string()));
         }
         let k = Keys { g, arch };
-        let bad = |key: &str, why: String| ModelError::BadKey { key: format!("{arch}.{key}"), why };
+        let bad = |key: &str, why: String| ModelError::BadKey {
+            key: format!("{arch}.{key}"),
+            why,
+        };
 
         let n_embd = k.req("embedding_length")?;
         let n_ff = k.req("feed_forward_length")?;
         let n_layer_all = k.req("block_count")?;
         let n_head = k.req("attention.head_count")?;
         let n_head_kv = k.req("attention.head_count_kv")?;
-        let key_len = k.u("attention.key_length")?.unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
+        let key_len =
+            k.u("attention.key_length")?
+                .unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
         let val_len = k.u("attention.value_length")?.unwrap_or(key_len);
         let eps = k
             .f("attention.layer_norm_rms_epsilon")?
@@ -102,7 +117,9 @@ impl Config {
 
         // llama.cpp requires the sections (get_key_or_arr with required = true).
         let sec_key = k.key("rope.dimension_sections");
-        let sections = g.get(&sec_key).ok_or_else(|| ModelError::MissingKey(sec_key.clone()))?;
+        let sections = g
+            .get(&sec_key)
+            .ok_or_else(|| ModelError::MissingKey(sec_key.clone()))?;
         let rope_sections = match sections.as_array() {
             Some(items) if items.len() <= 4 && items.iter().all(|v| v.as_i64().is_some()) => {
                 let mut s = [0i32; 4];
@@ -120,7 +137,10 @@ impl Config {
         };
 
         if n_embd == 0 || n_head == 0 || n_head_kv == 0 || n_layer_all == 0 {
-            return Err(bad("embedding_length", "zero-sized model dimensions".into()));
+            return Err(bad(
+                "embedding_length",
+                "zero-sized model dimensions".into(),
+            ));
         }
         if key_len != val_len {
             return Err(bad(
@@ -147,7 +167,10 @@ impl Config {
             ));
         }
         if n_nextn > 1 {
-            return Err(bad("nextn_predict_layers", format!("{n_nextn}: only one MTP layer is supported (as in llama.cpp)")));
+            return Err(bad(
+                "nextn_predict_layers",
+                format!("{n_nextn}: only one MTP layer is supported (as in llama.cpp)"),
+            ));
         }
         if interval == 0 {
             return Err(bad("full_attention_interval", "must be at least 1".into()));
@@ -165,25 +188,37 @@ impl Config {
             ));
         }
         if ssm_conv < 2 {
-            return Err(bad("ssm.conv_kernel", format!("{ssm_conv} must be at least 2")));
+            return Err(bad(
+                "ssm.conv_kernel",
+                format!("{ssm_conv} must be at least 2"),
+            ));
         }
         let n_layer = n_layer_all - n_nextn;
         let recurrent = match g.get(&k.key("attention.recurrent_layers")) {
             Some(v) => {
-                let items = v.as_array().ok_or_else(|| bad("attention.recurrent_layers", "expected a bool array".into()))?;
+                let items = v.as_array().ok_or_else(|| {
+                    bad("attention.recurrent_layers", "expected a bool array".into())
+                })?;
                 if items.len() < n_layer {
-                    return Err(bad("attention.recurrent_layers", format!("{} entries for {n_layer} layers", items.len())));
+                    return Err(bad(
+                        "attention.recurrent_layers",
+                        format!("{} entries for {n_layer} layers", items.len()),
+                    ));
                 }
                 items[..n_layer]
                     .iter()
                     .map(|v| v.as_bool().or(v.as_i64().map(|x| x != 0)))
                     .collect::<Option<Vec<bool>>>()
-                    .ok_or_else(|| bad("attention.recurrent_layers", "expected a bool array".into()))?
+                    .ok_or_else(|| {
+                        bad("attention.recurrent_layers", "expected a bool array".into())
+                    })?
             }
             None => (0..n_layer).map(|i| (i + 1) % interval != 0).collect(),
         };
 
-        let embd = g.tensor("token_embd.weight").ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
+        let embd = g
+            .tensor("token_embd.weight")
+            .ok_or_else(|| ModelError::MissingTensor("token_embd.weight".into()))?;
         if embd.dims.len() != 2 || embd.dims[0] as usize != n_embd {
             return Err(ModelError::BadShape {
                 name: "token_embd.weight".into(),

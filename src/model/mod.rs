@@ -29,7 +29,11 @@ pub enum ModelError {
     #[error("missing tensor {0:?}")]
     MissingTensor(String),
     #[error("tensor {name:?}: shape {found:?}, expected {expected}")]
-    BadShape { name: String, expected: String, found: Vec<u64> },
+    BadShape {
+        name: String,
+        expected: String,
+        found: Vec<u64>,
+    },
     #[error("prism.hadamard: {0}")]
     Hadamard(#[from] HadamardError),
     #[error("tensor {name:?}: {why}")]
@@ -68,6 +72,11 @@ impl<B: Backend> Model<B> {
         let cfg = Config::from_gguf(&file)?;
         let hadamard = HadamardConfig::from_gguf(&file)?.map(Arc::new);
         let w = Weights::load(be, &file, &cfg, hadamard.as_ref())?;
-        Ok(Model { cfg, file, hadamard, w })
+        Ok(Model {
+            cfg,
+            file,
+            hadamard,
+            w,
+        })
     }
 }

@@ -37,12 +37,18 @@ impl<B: Backend> Model<B> {
         if self.w.mtp.is_none() {
             return Err(ModelError::NoMtp);
         }
-        Ok(MtpState { pos: 0, kv: be.new_kv(&self.cfg.attn_params()) })
+        Ok(MtpState {
+            pos: 0,
+            kv: be.new_kv(&self.cfg.attn_params()),
+        })
     }
 
     fn check_tokens(&self, tokens: &[u32]) -> Result<(), ModelError> {
         match tokens.iter().find(|&&t| t as usize >= self.cfg.n_vocab) {
-            Some(&id) => Err(ModelError::BadToken { id, n_vocab: self.cfg.n_vocab }),
+            Some(&id) => Err(ModelError::BadToken {
+                id,
+                n_vocab: self.cfg.n_vocab,
+            }),
             None => Ok(()),
         }
     }
@@ -56,21 +62,39 @@ impl<B: Backend> Model<B> {
         kv: &mut B::Kv,
         pos0: usize,
     ) -> B::T {
-        let Mixer::Attn(a) = &layer.mixer else { unreachable!("attention layer with a GDN mixer") };
+        let Mixer::Attn(a) = &layer.mixer else {
+            unreachable!("attention layer with a GDN mixer")
+        };
         let qg = be.matmul(&a.q, h);
         let k = be.matmul(&a.k, h);
         let v = be.matmul(&a.v, h);
-        let o = be.attention(&self.cfg.attn_params(), &qg, &k, &v, &a.q_norm, &a.k_norm, kv, pos0);
+        let o = be.attention(
+            &self.cfg.attn_params(),
+            &qg,
+            &k,
+            &v,
+            &a.q_norm,
+            &a.k_norm,
+            kv,
+            pos0,
+        );
         be.matmul(&a.o, &o)
     }
 
     fn gdn_mixer(&self, be: &B, layer: &Layer<B::W>, h: &B::T, rs: &mut B::Rs) -> B::T {
-        let Mixer::Gdn(g) = &layer.mixer else { unreachable!("GDN layer with an attention mixer") };
+        let Mixer::Gdn(g) = &layer.mixer else {
+            unreachable!("GDN layer with an attention mixer")
+        };
         let mixed = be.matmul(&g.qkv, h);
         let z = be.matmul(&g.gate, h);
         let b = be.matmul(&g.beta, h);
         let a = be.matmul(&g.alpha, h);
-        let w = GdnWeights { conv: &g.conv, dt_bias: &g.dt_bias, ssm_a: &g.ssm_a, norm: &g.norm };
+        let w = GdnWeights {
+            conv: &g.conv,
+            dt_bias: &g.dt_bias,
+            ssm_a: &g.ssm_a,
+            norm: &g.norm,
+        };
         let y = be.gdn(&self.cfg.gdn_params(), &mixed, &z, &b, &a, &w, rs);
         be.matmul(&g.out, &y)
     }
@@ -96,7 +120,10 @@ impl<B: Backend> Model<B> {
         assert!(!tokens.is_empty(), "forward of an empty batch");
         let end = st.pos + tokens.len();
         if end > self.cfg.context_length {
-            return Err(ModelError::ContextFull { pos: end, n_ctx: self.cfg.context_length });
+            return Err(ModelError::ContextFull {
+                pos: end,
+                n_ctx: self.cfg.context_length,
+            });
         }
         let eps = self.cfg.eps;
         let mut x = be.embed(&self.w.token_embd, tokens);
@@ -111,7 +138,11 @@ impl<B: Backend> Model<B> {
             self.ffn(be, layer, &mut x);
         }
         st.pos = end;
-        let x = if all_rows { x } else { be.rows(&x, tokens.len() - 1, 1) };
+        let x = if all_rows {
+            x
+        } else {
+            be.rows(&x, tokens.len() - 1, 1)
+        };
         let h = be.rms_norm(&x, &self.w.output_norm, eps);
         let logits = be.matmul(&self.w.output, &h);
         Ok(Output { logits, h })
@@ -139,7 +170,11 @@ impl<B: Backend> Model<B> {
         be.add_assign(&mut c, &a);
         self.ffn(be, &mtp.layer, &mut c);
         st.pos += tokens.len();
-        let h = be.rms_norm(&c, mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm), eps);
+        let h = be.rms_norm(
+            &c,
+            mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),
+            eps,
+        );
         let logits = be.matmul(mtp.head.as_ref().unwrap_or(&self.w.output), &h);
         Ok(Output { logits, h })
     }

@@ -99,7 +99,12 @@ impl<B: Backend> Loader<'_, B> {
                 found,
             });
         }
-        Ok(WeightSource { file: self.file.clone(), info: info.clone(), fold: None, inverse: None })
+        Ok(WeightSource {
+            file: self.file.clone(),
+            info: info.clone(),
+            fold: None,
+            inverse: None,
+        })
     }
 
     fn upload(&self, src: WeightSource) -> Result<B::W, ModelError> {
@@ -120,7 +125,10 @@ impl<B: Backend> Loader<'_, B> {
                 } else {
                     None
                 };
-                src.fold = Some(Fold { hadamard: h.clone(), perm });
+                src.fold = Some(Fold {
+                    hadamard: h.clone(),
+                    perm,
+                });
             }
         }
         self.as_matrix.insert(name.to_string());
@@ -169,7 +177,10 @@ impl<B: Backend> Loader<'_, B> {
         let mut src = self.source(name, &[self.cfg.n_embd, self.cfg.n_vocab])?;
         if let Some(h) = self.had {
             if h.is_inverse(name) || h.is_folded(name) {
-                src.fold = Some(Fold { hadamard: h.clone(), perm: None });
+                src.fold = Some(Fold {
+                    hadamard: h.clone(),
+                    perm: None,
+                });
             }
         }
         self.as_matrix.insert(name.to_string());
@@ -289,6 +300,12 @@ impl<W> Weights<W> {
                 });
             }
         }
-        Ok(Weights { token_embd, output_norm, output, layers, mtp })
+        Ok(Weights {
+            token_embd,
+            output_norm,
+            output,
+            layers,
+            mtp,
+        })
     }
 }

@@ -82,7 +82,11 @@ mod tests {
             let theirs = half::f16::from_bits(h).to_f32();
             if theirs.is_nan() {
                 assert!(ours.is_nan(), "{h:#06x}");
-                assert_eq!(ours.to_bits() & 0x0040_0000, 0x0040_0000, "{h:#06x} must be quiet");
+                assert_eq!(
+                    ours.to_bits() & 0x0040_0000,
+                    0x0040_0000,
+                    "{h:#06x} must be quiet"
+                );
             } else {
                 assert_eq!(ours.to_bits(), theirs.to_bits(), "{h:#06x}");
             }

@@ -76,7 +76,8 @@ pub fn is_foldable_name(name: &str) -> bool {
     if layer.is_empty() || !layer.bytes().all(|b| b.is_ascii_digit()) {
         return false;
     }
-    rest.strip_suffix(".weight").is_some_and(|kind| FOLDABLE_KINDS.contains(&kind))
+    rest.strip_suffix(".weight")
+        .is_some_and(|kind| FOLDABLE_KINDS.contains(&kind))
 }
 
 /// In-place normalized fast Walsh–Hadamard transform of a power-of-two-length vector: equal to
@@ -87,7 +88,10 @@ pub fn is_foldable_name(name: &str) -> bool {
 /// exact and the order would not matter anyway).
 pub fn fwht_normalized(x: &mut [f32]) {
     let n = x.len();
-    assert!(n.is_power_of_two(), "fwht_normalized: length {n} is not a power of two");
+    assert!(
+        n.is_power_of_two(),
+        "fwht_normalized: length {n} is not a power of two"
+    );
     let scale = 1.0 / (n as f32).sqrt();
     for v in x.iter_mut() {
         *v *= scale;
@@ -109,7 +113,7 @@ pub fn fwht_normalized(x: &mut [f32]) {
 /// `fwht_normalized` on each independent `block`-wide slice of `x`.
 pub fn fwht_blockwise(x: &mut [f32], block: usize) {
     assert!(
-        block > 0 && x.len() % block == 0,
+        block > 0 && x.len().is_multiple_of(block),
         "fwht_blockwise: length {} is not a multiple of the block {block}",
         x.len()
     );
@@ -130,12 +134,18 @@ pub enum SignMode {
 /// loads and then produces garbage, so every inconsistency is fatal and names its cause.
 #[derive(Debug, thiserror::Error, PartialEq)]
 pub enum HadamardError {
-    #[error("prism.hadamard.* is only defined for architectures {ARCHITECTURES:?}, this file is {0:?}")]
+    #[error(
+        "prism.hadamard.* is only defined for architectures {ARCHITECTURES:?}, this file is {0:?}"
+    )]
     UnsupportedArchitecture(Option<String>),
     #[error("{0} is missing (required once any prism.hadamard.* key is present)")]
     MissingKey(&'static str),
     #[error("{key} has type {found}, expected {expected}")]
-    WrongType { key: &'static str, expected: &'static str, found: String },
+    WrongType {
+        key: &'static str,
+        expected: &'static str,
+        found: String,
+    },
     #[error("prism.hadamard.version = {0}: tern understands versions 1 and 2")]
     UnsupportedVersion(i64),
     #[error("prism.hadamard.block_size = {0} is not a power of two")]
@@ -159,13 +169,21 @@ pub enum HadamardError {
     #[error("prism.hadamard.weight_names: {0:?} is not a foldable matmul weight")]
     NotFoldable(String),
     #[error("prism.hadamard: tensor {name:?} has ne0 = {ne0}, not a multiple of block_size {block_size}")]
-    NotBlockMultiple { name: String, ne0: u64, block_size: usize },
+    NotBlockMultiple {
+        name: String,
+        ne0: u64,
+        block_size: usize,
+    },
     #[error("prism.hadamard: tensor {name:?} needs a sign vector of width {width}, and sign_widths has none")]
     MissingSignWidth { name: String, width: u64 },
     #[error("prism.hadamard.inverse_weight_names: {0:?} is not allowed (only {INVERSE_NAME:?} is un-rotated after lookup)")]
     BadInverseName(String),
     #[error("GDN permutation: width {width} with {n_v} value heads in {n_k} key groups does not divide evenly")]
-    BadGdnGeometry { width: usize, n_v: usize, n_k: usize },
+    BadGdnGeometry {
+        width: usize,
+        n_v: usize,
+        n_k: usize,
+    },
 }
 
 /// Parsed and validated `prism.hadamard.*` metadata.
@@ -194,7 +212,9 @@ impl HadamardConfig {
         }
         let arch = g.architecture();
         if !arch.is_some_and(|a| ARCHITECTURES.contains(&a)) {
-            return Err(HadamardError::UnsupportedArchitecture(arch.map(str::to_string)));
+            return Err(HadamardError::UnsupportedArchitecture(
+                arch.map(str::to_string),
+            ));
         }
 
         let version = int(g, K_VERSION)?;
@@ -231,15 +251,23 @@ impl HadamardConfig {
         // Checks shared by folded weights and inverse tables: the tensor exists, its rows split
         // into whole blocks, and there is a sign vector for its width.
         let check_tensor = |key: &'static str, name: &str| -> Result<usize, HadamardError> {
-            let t = g
-                .tensor(name)
-                .ok_or_else(|| HadamardError::UnknownTensor { key, name: name.to_string() })?;
+            let t = g.tensor(name).ok_or_else(|| HadamardError::UnknownTensor {
+                key,
+                name: name.to_string(),
+            })?;
             let ne0 = t.ne0();
             if ne0 % block_size as u64 != 0 {
-                return Err(HadamardError::NotBlockMultiple { name: name.to_string(), ne0, block_size });
+                return Err(HadamardError::NotBlockMultiple {
+                    name: name.to_string(),
+                    ne0,
+                    block_size,
+                });
             }
             if sign_mode == SignMode::Explicit && !signs.contains_key(&(ne0 as usize)) {
-                return Err(HadamardError::MissingSignWidth { name: name.to_string(), width: ne0 });
+                return Err(HadamardError::MissingSignWidth {
+                    name: name.to_string(),
+                    width: ne0,
+                });
             }
             Ok(ne0 as usize)
         };
@@ -323,7 +351,11 @@ impl HadamardConfig {
             return;
         }
         let s = self.signs(x.len()).unwrap_or_else(|| {
-            panic!("prism.hadamard: no sign vector for width {} (validated widths: {:?})", x.len(), self.signs.keys())
+            panic!(
+                "prism.hadamard: no sign vector for width {} (validated widths: {:?})",
+                x.len(),
+                self.signs.keys()
+            )
         });
         for (v, s) in x.iter_mut().zip(s) {
             *v *= s;
@@ -361,32 +393,57 @@ fn int(g: &Gguf, key: &'static str) -> Result<i64, HadamardError> {
         Value::Bool(_) => None,
         _ => v.as_i64(),
     }
-    .ok_or_else(|| HadamardError::WrongType { key, expected: "integer", found: type_name(v) })
+    .ok_or_else(|| HadamardError::WrongType {
+        key,
+        expected: "integer",
+        found: type_name(v),
+    })
 }
 
 fn string<'a>(g: &'a Gguf, key: &'static str) -> Result<&'a str, HadamardError> {
     let v = required(g, key)?;
-    v.as_str().ok_or_else(|| HadamardError::WrongType { key, expected: "string", found: type_name(v) })
+    v.as_str().ok_or_else(|| HadamardError::WrongType {
+        key,
+        expected: "string",
+        found: type_name(v),
+    })
 }
 
 fn optional_bool(g: &Gguf, key: &'static str) -> Result<Option<bool>, HadamardError> {
     match g.get(key) {
         None => Ok(None),
-        Some(v) => {
-            v.as_bool().map(Some).ok_or_else(|| HadamardError::WrongType { key, expected: "bool", found: type_name(v) })
-        }
+        Some(v) => v
+            .as_bool()
+            .map(Some)
+            .ok_or_else(|| HadamardError::WrongType {
+                key,
+                expected: "bool",
+                found: type_name(v),
+            }),
     }
 }
 
 fn string_array<'a>(g: &'a Gguf, key: &'static str) -> Result<Vec<&'a str>, HadamardError> {
     let v = required(g, key)?;
-    let wrong = || HadamardError::WrongType { key, expected: "array of string", found: type_name(v) };
-    v.as_array().ok_or_else(wrong)?.iter().map(|e| e.as_str().ok_or_else(wrong)).collect()
+    let wrong = || HadamardError::WrongType {
+        key,
+        expected: "array of string",
+        found: type_name(v),
+    };
+    v.as_array()
+        .ok_or_else(wrong)?
+        .iter()
+        .map(|e| e.as_str().ok_or_else(wrong))
+        .collect()
 }
 
 fn int_array(g: &Gguf, key: &'static str) -> Result<Vec<i64>, HadamardError> {
     let v = required(g, key)?;
-    let wrong = || HadamardError::WrongType { key, expected: "array of integer", found: type_name(v) };
+    let wrong = || HadamardError::WrongType {
+        key,
+        expected: "array of integer",
+        found: type_name(v),
+    };
     v.as_array()
         .ok_or_else(wrong)?
         .iter()
@@ -402,11 +459,13 @@ fn int_array(g: &Gguf, key: &'static str) -> Result<Vec<i64>, HadamardError> {
 fn parse_signs(g: &Gguf) -> Result<BTreeMap<usize, Vec<f32>>, HadamardError> {
     let widths = int_array(g, K_SIGN_WIDTHS)?;
     let values_v = required(g, K_SIGN_VALUES)?;
-    let values = values_v.as_array().ok_or_else(|| HadamardError::WrongType {
-        key: K_SIGN_VALUES,
-        expected: "array of integer",
-        found: type_name(values_v),
-    })?;
+    let values = values_v
+        .as_array()
+        .ok_or_else(|| HadamardError::WrongType {
+            key: K_SIGN_VALUES,
+            expected: "array of integer",
+            found: type_name(values_v),
+        })?;
     let mut total = 0u64;
     for (index, &w) in widths.iter().enumerate() {
         if w <= 0 {
@@ -415,7 +474,10 @@ fn parse_signs(g: &Gguf) -> Result<BTreeMap<usize, Vec<f32>>, HadamardError> {
         total = total.saturating_add(w as u64);
     }
     if total != values.len() as u64 {
-        return Err(HadamardError::SignLengthMismatch { expected: total, actual: values.len() });
+        return Err(HadamardError::SignLengthMismatch {
+            expected: total,
+            actual: values.len(),
+        });
     }
     let mut signs = BTreeMap::new();
     let mut at = 0usize;
@@ -466,10 +528,14 @@ impl GdnPermutation {
     /// From the `ssm_out` input width, the V head count (`ssm_dt_rank`) and the key group count
     /// (`ssm_n_group`).
     pub fn new(width: usize, n_v: usize, n_k: usize) -> Result<GdnPermutation, HadamardError> {
-        if n_v == 0 || n_k == 0 || width % n_v != 0 || n_v % n_k != 0 {
+        if n_v == 0 || n_k == 0 || !width.is_multiple_of(n_v) || !n_v.is_multiple_of(n_k) {
             return Err(HadamardError::BadGdnGeometry { width, n_v, n_k });
         }
-        Ok(GdnPermutation { hd: width / n_v, nk: n_k, rep: n_v / n_k })
+        Ok(GdnPermutation {
+            hd: width / n_v,
+            nk: n_k,
+            rep: n_v / n_k,
+        })
     }
 
     /// Vector length the permutation acts on.
@@ -493,14 +559,20 @@ impl GdnPermutation {
     }
 
     pub fn tiled_to_grouped(&self, tiled: &[f32], grouped: &mut [f32]) {
-        assert!(tiled.len() == self.len() && grouped.len() == self.len(), "GdnPermutation: length mismatch");
+        assert!(
+            tiled.len() == self.len() && grouped.len() == self.len(),
+            "GdnPermutation: length mismatch"
+        );
         for (g, t) in self.heads() {
             grouped[g..g + self.hd].copy_from_slice(&tiled[t..t + self.hd]);
         }
     }
 
     pub fn grouped_to_tiled(&self, grouped: &[f32], tiled: &mut [f32]) {
-        assert!(tiled.len() == self.len() && grouped.len() == self.len(), "GdnPermutation: length mismatch");
+        assert!(
+            tiled.len() == self.len() && grouped.len() == self.len(),
+            "GdnPermutation: length mismatch"
+        );
         for (g, t) in self.heads() {
             tiled[t..t + self.hd].copy_from_slice(&grouped[g..g + self.hd]);
         }

@@ -1,7 +1,7 @@
 //! Block formats: reference quantizers, dequantizers and the f32-activation dot products the
 //! CPU backend's matvec runs on, plus the PrismML Hadamard fold (`hadamard`).
 //!
-//! Quantizers are byte-identical to ggml's `*_ref` functions (and to PrismML's fork for PQ2_0 and
+//! Quantizers follow ggml's `*_ref` functions byte for byte (and PrismML's fork for PQ2_0 and
 //! PTQ1_0), so files we write load in llama.cpp and files we read decode to the same numbers.
 
 mod fp;
@@ -23,9 +23,18 @@ pub enum QuantError {
     #[error("no quantization kernels for tensor type {0} (tern computes F32, F16, BF16, Q8_0, Q4_0, PQ2_0, PTQ1_0)")]
     Unsupported(GgmlType),
     #[error("{ty}: a row of {elements} elements is not a whole number of {block}-element blocks")]
-    PartialBlock { ty: GgmlType, elements: usize, block: usize },
+    PartialBlock {
+        ty: GgmlType,
+        elements: usize,
+        block: usize,
+    },
     #[error("{ty}: a row of {elements} elements takes {expected} bytes, got {bytes}")]
-    BadLength { ty: GgmlType, elements: usize, bytes: usize, expected: usize },
+    BadLength {
+        ty: GgmlType,
+        elements: usize,
+        bytes: usize,
+        expected: usize,
+    },
 }
 
 /// Checks that `ty` has kernels here and that `elements` fills whole blocks; returns the row's
@@ -36,14 +45,23 @@ fn checked_row_bytes(ty: GgmlType, elements: usize) -> Result<usize, QuantError>
     }
     ty.row_bytes(elements as u64)
         .map(|b| b as usize)
-        .ok_or(QuantError::PartialBlock { ty, elements, block: ty.block_size() })
+        .ok_or(QuantError::PartialBlock {
+            ty,
+            elements,
+            block: ty.block_size(),
+        })
 }
 
 /// Dequantize one row: `src` is exactly `ty.row_bytes(dst.len())` bytes.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), QuantError> {
     let expected = checked_row_bytes(ty, dst.len())?;
     if src.len() != expected {
-        return Err(QuantError::BadLength { ty, elements: dst.len(), bytes: src.len(), expected });
+        return Err(QuantError::BadLength {
+            ty,
+            elements: dst.len(),
+            bytes: src.len(),
+            expected,
+        });
     }
     match ty {
         GgmlType::F32 => {
@@ -75,8 +93,14 @@ pub fn quantize_row(ty: GgmlType, src: &[f32]) -> Result<Vec<u8>, QuantError> {
     let bytes = checked_row_bytes(ty, src.len())?;
     let out = match ty {
         GgmlType::F32 => src.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        GgmlType::F16 => src.iter().flat_map(|&v| fp::f32_to_f16(v).to_le_bytes()).collect(),
-        GgmlType::BF16 => src.iter().flat_map(|&v| fp::f32_to_bf16(v).to_le_bytes()).collect(),
+        GgmlType::F16 => src
+            .iter()
+            .flat_map(|&v| fp::f32_to_f16(v).to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => src
+            .iter()
+            .flat_map(|&v| fp::f32_to_bf16(v).to_le_bytes())
+            .collect(),
         GgmlType::Q8_0 => quantize_blocks(src, q8_0::quantize_block),
         GgmlType::Q4_0 => quantize_blocks(src, q4_0::quantize_block),
         GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => quantize_blocks(src, pq2_0::quantize_block),
@@ -155,10 +179,16 @@ fn dequantize_blocks<const QK: usize, const B: usize>(
     }
 }
 
-fn quantize_blocks<const QK: usize, const B: usize>(src: &[f32], quantize: fn(&[f32; QK], &mut [u8; B])) -> Vec<u8> {
+fn quantize_blocks<const QK: usize, const B: usize>(
+    src: &[f32],
+    quantize: fn(&[f32; QK], &mut [u8; B]),
+) -> Vec<u8> {
     let mut out = vec![0u8; src.len() / QK * B];
     for (x, y) in src.chunks_exact(QK).zip(out.chunks_exact_mut(B)) {
-        quantize(x.try_into().expect("chunk of QK"), y.try_into().expect("chunk of B"));
+        quantize(
+            x.try_into().expect("chunk of QK"),
+            y.try_into().expect("chunk of B"),
+        );
     }
     out
 }
@@ -229,12 +259,14 @@ fn dot_elements<const ES: usize>(row: &[u8], x: &[f32], conv: impl Fn([u8; ES]) 
     let n = (row.len() / ES).min(x.len());
     let body = n / 32 * 32;
     let mut c = [[0.0f32; LANES]; 4];
-    for (b, xc) in row[..body * ES].chunks_exact(ES * 32).zip(x[..body].chunks_exact(32)) {
-        for g in 0..4 {
-            for k in 0..LANES {
-                let j = g * LANES + k;
-                let e = b[j * ES..(j + 1) * ES].try_into().expect("element");
-                c[g][k] += conv(e) * xc[j];
+    for (b, xc) in row[..body * ES]
+        .chunks_exact(ES * 32)
+        .zip(x[..body].chunks_exact(32))
+    {
+        let groups = b.chunks_exact(ES * LANES).zip(xc.chunks_exact(LANES));
+        for (cg, (bg, xg)) in c.iter_mut().zip(groups) {
+            for ((ck, e), &xv) in cg.iter_mut().zip(bg.chunks_exact(ES)).zip(xg) {
+                *ck += conv(e.try_into().expect("element")) * xv;
             }
         }
     }

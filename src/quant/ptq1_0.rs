@@ -45,7 +45,7 @@ pub(crate) fn decode(b: &[u8; BYTES], w: &mut [f32; QK]) -> f32 {
 fn pack(trits: impl Iterator<Item = u8>) -> u8 {
     let t = trits.fold(0u16, |acc, t| acc * 3 + t as u16);
     // Ceiling division so that the decoder's truncating multiply recovers every trit.
-    ((t * 256 + 242) / 243) as u8
+    (t * 256).div_ceil(243) as u8
 }
 
 /// TQ1_0's reference quantizer at group 128: d = max |x|, trit = round(x / d) + 1 (as
@@ -64,7 +64,11 @@ pub(crate) fn quantize_block(x: &[f32; QK], out: &mut [u8; BYTES]) {
     }
     for h in 0..2 {
         // Four trits, shifted up one place so the first still lands in the top trit.
-        out[24 + h] = pack((0..4).map(|n| t(x[120 + n * 2 + h])).chain(std::iter::once(0)));
+        out[24 + h] = pack(
+            (0..4)
+                .map(|n| t(x[120 + n * 2 + h]))
+                .chain(std::iter::once(0)),
+        );
     }
     out[26..28].copy_from_slice(&f32_to_f16(d).to_le_bytes());
 }

@@ -1,5 +1,6 @@
 use super::hadamard::{
-    fwht_blockwise, fwht_normalized, is_foldable_name, GdnPermutation, HadamardConfig, HadamardError, SignMode,
+    fwht_blockwise, fwht_normalized, is_foldable_name, GdnPermutation, HadamardConfig,
+    HadamardError, SignMode,
 };
 use super::*;
 use crate::gguf::{Gguf, GgufWriter, Value};
@@ -31,7 +32,10 @@ impl Rng {
 }
 
 fn hex(s: &str) -> Vec<u8> {
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+        .collect()
 }
 
 fn dequant(ty: GgmlType, bytes: &[u8], n: usize) -> Vec<f32> {
@@ -66,7 +70,11 @@ fn pq2_0_decodes_all_four_codes_with_scale_first() {
     let mut b = vec![0x00, 0x38]; // d = 0.5
     let codes: Vec<u8> = (0..128).map(|j| ((j / 3) % 4) as u8).collect();
     for quad in codes.chunks(4) {
-        b.push(quad.iter().enumerate().fold(0u8, |acc, (s, &c)| acc | (c << (2 * s))));
+        b.push(
+            quad.iter()
+                .enumerate()
+                .fold(0u8, |acc, (s, &c)| acc | (c << (2 * s))),
+        );
     }
     let got = dequant(GgmlType::PQ2_0, &b, 128);
     for (j, (&g, &c)) in got.iter().zip(&codes).enumerate() {
@@ -96,10 +104,14 @@ fn pack_ptq1_0(trits: &[u8; 128], d_bits: u16) -> Vec<u8> {
         out.push(byte(&(0..5).map(|n| trits[n * 16 + m]).collect::<Vec<_>>()));
     }
     for m in 0..8 {
-        out.push(byte(&(0..5).map(|n| trits[80 + n * 8 + m]).collect::<Vec<_>>()));
+        out.push(byte(
+            &(0..5).map(|n| trits[80 + n * 8 + m]).collect::<Vec<_>>(),
+        ));
     }
     for h in 0..2 {
-        out.push(byte(&(0..4).map(|n| trits[120 + n * 2 + h]).collect::<Vec<_>>()));
+        out.push(byte(
+            &(0..4).map(|n| trits[120 + n * 2 + h]).collect::<Vec<_>>(),
+        ));
     }
     out.extend_from_slice(&d_bits.to_le_bytes());
     out
@@ -126,17 +138,32 @@ fn ptq1_0_trit_order_follows_the_spec() {
         }
     }
     // Single trits at the stage boundaries, d = 0.5.
-    for (j, want_byte) in [(0usize, 0usize), (79, 15), (80, 16), (119, 23), (120, 24), (127, 25)] {
+    for (j, want_byte) in [
+        (0usize, 0usize),
+        (79, 15),
+        (80, 16),
+        (119, 23),
+        (120, 24),
+        (127, 25),
+    ] {
         let mut trits = [1u8; 128];
         trits[j] = 2;
         let b = pack_ptq1_0(&trits, 0x3800);
         let got = dequant(GgmlType::PTQ1_0, &b, 128);
         for (i, &g) in got.iter().enumerate() {
-            assert_eq!(g, if i == j { 0.5 } else { 0.0 }, "trit at {j}, element {i}");
+            assert_eq!(
+                g,
+                if i == j { 0.5 } else { 0.0 },
+                "trit at {j}, element {i}"
+            );
         }
         let all_zero = pack_ptq1_0(&[1u8; 128], 0x3800);
         let changed: Vec<usize> = (0..28).filter(|&i| b[i] != all_zero[i]).collect();
-        assert_eq!(changed, vec![want_byte], "element {j} lives in byte {want_byte}");
+        assert_eq!(
+            changed,
+            vec![want_byte],
+            "element {j} lives in byte {want_byte}"
+        );
     }
 }
 
@@ -156,7 +183,11 @@ fn ptq1_0_c_known_answer() {
 fn q8_0_and_q4_0_decode_hand_built_blocks() {
     // Q8_0: d = 0.25, qs = -128..=-97 then check a few signed values.
     let mut b = vec![0x00, 0x34];
-    let qs: Vec<i8> = vec![-128, -1, 0, 1, 127, 5, -5, 64].into_iter().cycle().take(32).collect();
+    let qs: Vec<i8> = vec![-128, -1, 0, 1, 127, 5, -5, 64]
+        .into_iter()
+        .cycle()
+        .take(32)
+        .collect();
     b.extend(qs.iter().map(|&q| q as u8));
     let got = dequant(GgmlType::Q8_0, &b, 32);
     for (g, q) in got.iter().zip(&qs) {
@@ -171,7 +202,11 @@ fn q8_0_and_q4_0_decode_hand_built_blocks() {
     let got = dequant(GgmlType::Q4_0, &b, 32);
     for j in 0..16 {
         assert_eq!(got[j], (j as f32 - 8.0) * -2.0, "low nibble {j}");
-        assert_eq!(got[j + 16], ((15 - j) as f32 - 8.0) * -2.0, "high nibble {j}");
+        assert_eq!(
+            got[j + 16],
+            ((15 - j) as f32 - 8.0) * -2.0,
+            "high nibble {j}"
+        );
     }
 }
 
@@ -186,7 +221,10 @@ fn float_types_decode_hand_built_bytes() {
     assert!(got[4] == 0.0 && got[4].is_sign_negative());
     assert_eq!(got[5], f32::INFINITY);
 
-    let bf16: Vec<u8> = [0x3f80u16, 0xc040, 0x4049].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let bf16: Vec<u8> = [0x3f80u16, 0xc040, 0x4049]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     assert_eq!(dequant(GgmlType::BF16, &bf16, 3), vec![1.0, -3.0, 3.140625]);
 
     let x = [1.5f32, -0.0, 3.0e-39];
@@ -194,8 +232,14 @@ fn float_types_decode_hand_built_bytes() {
     assert_eq!(&b[..4], &1.5f32.to_le_bytes());
     assert_eq!(dequant(GgmlType::F32, &b, 3), x.to_vec());
 
-    assert_eq!(quantize_row(GgmlType::F16, &[1.0, 65520.0]).unwrap(), vec![0x00, 0x3c, 0x00, 0x7c]);
-    assert_eq!(quantize_row(GgmlType::BF16, &[f32::from_bits(0x3f81_8000)]).unwrap(), vec![0x82, 0x3f]);
+    assert_eq!(
+        quantize_row(GgmlType::F16, &[1.0, 65520.0]).unwrap(),
+        vec![0x00, 0x3c, 0x00, 0x7c]
+    );
+    assert_eq!(
+        quantize_row(GgmlType::BF16, &[f32::from_bits(0x3f81_8000)]).unwrap(),
+        vec![0x82, 0x3f]
+    );
 }
 
 // ---------------------------------------------------------------- quantizers
@@ -231,7 +275,9 @@ fn pq2_0_quantizer_rules() {
 /// software path alike) rounds to nearest even, giving 0x3df0 and 0x3a66; we follow ggml.
 #[test]
 fn prism_quantizers_match_c_known_answers() {
-    let x: Vec<f32> = (0..128).map(|j| (0.37f32 * j as f32).sin() * (1.0 + 0.5 * (0.11f32 * j as f32).cos())).collect();
+    let x: Vec<f32> = (0..128)
+        .map(|j| (0.37f32 * j as f32).sin() * (1.0 + 0.5 * (0.11f32 * j as f32).cos()))
+        .collect();
     let want = hex("ef3da56a15405555555555a5550150a96a0140a55a55555555550155aa560050a95a");
     let got = quantize_row(GgmlType::PQ2_0, &x).unwrap();
     assert_eq!(&got[2..], &want[2..], "PQ2_0 codes");
@@ -297,7 +343,10 @@ fn round_trip_error_bounds() {
                     // ternary: half of d = amax, plus d's f16 rounding
                     _ => amax * (0.5 + 2f32.powi(-11)) * 1.001,
                 };
-                assert!((a - r).abs() <= bound, "{ty} block {blk} element {i}: {a} -> {r} (bound {bound})");
+                assert!(
+                    (a - r).abs() <= bound,
+                    "{ty} block {blk} element {i}: {a} -> {r} (bound {bound})"
+                );
             }
         }
     }
@@ -319,15 +368,32 @@ fn length_errors() {
     let mut out = [0.0f32; 32];
     assert_eq!(
         dequantize_row(GgmlType::Q8_0, &[0; 33], &mut out),
-        Err(QuantError::BadLength { ty: GgmlType::Q8_0, elements: 32, bytes: 33, expected: 34 })
+        Err(QuantError::BadLength {
+            ty: GgmlType::Q8_0,
+            elements: 32,
+            bytes: 33,
+            expected: 34
+        })
     );
     let mut out = [0.0f32; 100];
     assert_eq!(
         dequantize_row(GgmlType::PQ2_0, &[0; 34], &mut out),
-        Err(QuantError::PartialBlock { ty: GgmlType::PQ2_0, elements: 100, block: 128 })
+        Err(QuantError::PartialBlock {
+            ty: GgmlType::PQ2_0,
+            elements: 100,
+            block: 128
+        })
     );
-    assert_eq!(quantize_row(GgmlType::Q4K, &[0.0; 256]), Err(QuantError::Unsupported(GgmlType::Q4K)));
-    assert_eq!(quantize_row(GgmlType::Q4_0, &[0.0; 31]).unwrap_err().to_string(), "Q4_0: a row of 31 elements is not a whole number of 32-element blocks");
+    assert_eq!(
+        quantize_row(GgmlType::Q4K, &[0.0; 256]),
+        Err(QuantError::Unsupported(GgmlType::Q4K))
+    );
+    assert_eq!(
+        quantize_row(GgmlType::Q4_0, &[0.0; 31])
+            .unwrap_err()
+            .to_string(),
+        "Q4_0: a row of 31 elements is not a whole number of 32-element blocks"
+    );
     assert!(dequantize_row(GgmlType::F16, &[], &mut []).is_ok());
 }
 
@@ -369,9 +435,16 @@ fn dot_row_matches_dequantize_then_dot() {
                 let x = rng.vec(n);
                 let w = dequant(ty, &row, n);
                 let exact: f64 = w.iter().zip(&x).map(|(&a, &b)| a as f64 * b as f64).sum();
-                let mag: f64 = w.iter().zip(&x).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                let mag: f64 = w
+                    .iter()
+                    .zip(&x)
+                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                    .sum();
                 let got = dot_row(ty, &row, &x) as f64;
-                assert!((got - exact).abs() <= 1e-5 * mag + 1e-30, "{ty} n={n}: {got} vs {exact} (mag {mag})");
+                assert!(
+                    (got - exact).abs() <= 1e-5 * mag + 1e-30,
+                    "{ty} n={n}: {got} vs {exact} (mag {mag})"
+                );
             }
         }
     }
@@ -401,7 +474,12 @@ fn dot_row_is_exact_on_small_integers() {
     let mut rng = Rng(5);
     let n = 7 * 128;
     let x: Vec<f32> = (0..n).map(|_| rng.below(9) as f32 - 4.0).collect();
-    for ty in [GgmlType::PQ2_0, GgmlType::PTQ1_0, GgmlType::Q8_0, GgmlType::Q4_0] {
+    for ty in [
+        GgmlType::PQ2_0,
+        GgmlType::PTQ1_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+    ] {
         let row = random_row(&mut rng, ty, n);
         // force every scale to 1.0 so the sum is an integer
         let (qk, bs) = ty.block();
@@ -416,36 +494,40 @@ fn dot_row_is_exact_on_small_integers() {
     }
 }
 
-/// Throughput of `dot_row` in GB/s of weight bytes. Timing on a shared machine is not a pass/fail
-/// criterion; run with `cargo test --release --lib quant::tests::dot_row_throughput -- --ignored --nocapture`.
+/// Throughput of `dot_row` (and of the portable kernels it falls back to without AVX2) in GB/s
+/// of weight bytes. Timing on a shared machine is no pass/fail criterion; run with
+/// `cargo test --release --lib quant::tests::dot_row_throughput -- --ignored --nocapture`.
 #[test]
 #[ignore]
 fn dot_row_throughput() {
     let mut rng = Rng(1);
     let cols = 4096;
+    type Kernel = fn(GgmlType, &[u8], &[f32]) -> f32;
+    let kernels: [(&str, Kernel); 2] = [("dot_row", dot_row), ("portable", dot_row_portable)];
     for ty in COMPUTABLE {
         if ty == GgmlType::Q2_0Legacy {
             continue;
         }
-        for (label, rows) in [("L2-resident", 64usize), ("streaming", 4096)] {
+        for (label, rows) in [("1 MiB-ish", 64usize), ("streaming", 4096)] {
             let row_bytes = ty.row_bytes(cols as u64).unwrap() as usize;
             let one = random_row(&mut rng, ty, cols);
             let m: Vec<u8> = one.iter().copied().cycle().take(row_bytes * rows).collect();
             let x = rng.vec(cols);
-            let total = 256 << 20;
-            let reps = (total / m.len()).max(1);
-            let mut sink = 0.0f32;
-            let t = std::time::Instant::now();
-            for _ in 0..reps {
-                for r in m.chunks_exact(row_bytes) {
-                    sink += dot_row(ty, std::hint::black_box(r), &x);
+            let reps = ((256 << 20) / m.len()).max(1);
+            for (kname, f) in kernels {
+                let mut sink = 0.0f32;
+                let t = std::time::Instant::now();
+                for _ in 0..reps {
+                    for r in m.chunks_exact(row_bytes) {
+                        sink += f(ty, std::hint::black_box(r), &x);
+                    }
                 }
+                let s = t.elapsed().as_secs_f64();
+                std::hint::black_box(sink);
+                let gbs = (reps * m.len()) as f64 / s / 1e9;
+                let gelem = (reps * rows * cols) as f64 / s / 1e9;
+                println!("{ty:>7} {kname:>8} {label:>10}: {gbs:6.2} GB/s of weights, {gelem:6.2} G elements/s");
             }
-            let s = t.elapsed().as_secs_f64();
-            std::hint::black_box(sink);
-            let gbs = (reps * m.len()) as f64 / s / 1e9;
-            let gelem = (reps * rows * cols) as f64 / s / 1e9;
-            println!("{ty:>8} {label:>12}: {gbs:6.2} GB/s of weights, {gelem:6.2} G elements/s");
         }
     }
 }
@@ -454,7 +536,13 @@ fn dot_row_throughput() {
 
 fn sylvester(n: usize) -> Vec<Vec<f32>> {
     let s = 1.0 / (n as f32).sqrt();
-    (0..n).map(|r| (0..n).map(|c| if (r & c).count_ones() % 2 == 1 { -s } else { s }).collect()).collect()
+    (0..n)
+        .map(|r| {
+            (0..n)
+                .map(|c| if (r & c).count_ones() % 2 == 1 { -s } else { s })
+                .collect()
+        })
+        .collect()
 }
 
 #[test]
@@ -468,7 +556,11 @@ fn fwht_equals_sylvester_matrix_at_1024() {
     fwht_normalized(&mut y);
     for r in 0..n {
         let want: f64 = (0..n).map(|c| h[r][c] as f64 * x[c] as f64).sum();
-        assert!((y[r] as f64 - want).abs() < 1e-5, "row {r}: {} vs {want}", y[r]);
+        assert!(
+            (y[r] as f64 - want).abs() < 1e-5,
+            "row {r}: {} vs {want}",
+            y[r]
+        );
     }
     // H·H = I, checked on a few columns of H itself and by the transform being an involution.
     for c in [0usize, 1, 77, 512, 1023] {
@@ -512,7 +604,9 @@ const N_EMBD: u64 = 128;
 const N_FF: u64 = 192;
 
 fn signs(rng: &mut Rng, n: usize) -> Vec<i32> {
-    (0..n).map(|_| if rng.below(2) == 0 { 1 } else { -1 }).collect()
+    (0..n)
+        .map(|_| if rng.below(2) == 0 { 1 } else { -1 })
+        .collect()
 }
 
 fn fixture(edit: impl FnOnce(&mut GgufWriter)) -> Gguf {
@@ -521,18 +615,35 @@ fn fixture(edit: impl FnOnce(&mut GgufWriter)) -> Gguf {
     w.set("general.architecture", Value::String("qwen35".into()));
     w.set("prism.hadamard.version", Value::U32(1));
     w.set("prism.hadamard.block_size", Value::U32(BLOCK as u32));
-    w.set("prism.hadamard.transform", Value::String("normalized-sylvester-walsh-hadamard".into()));
-    w.set("prism.hadamard.axis", Value::String("input-last-dimension".into()));
+    w.set(
+        "prism.hadamard.transform",
+        Value::String("normalized-sylvester-walsh-hadamard".into()),
+    );
+    w.set(
+        "prism.hadamard.axis",
+        Value::String("input-last-dimension".into()),
+    );
     w.set("prism.hadamard.sign_mode", Value::String("explicit".into()));
-    w.set("prism.hadamard.sign_widths", Value::i32_array(&[N_EMBD as i32, N_FF as i32]));
+    w.set(
+        "prism.hadamard.sign_widths",
+        Value::i32_array(&[N_EMBD as i32, N_FF as i32]),
+    );
     let mut sv = signs(&mut rng, N_EMBD as usize);
     sv.extend(signs(&mut rng, N_FF as usize));
     w.set("prism.hadamard.sign_values", Value::i32_array(&sv));
     w.set(
         "prism.hadamard.weight_names",
-        Value::str_array(&["blk.0.attn_qkv.weight", "blk.0.ffn_down.weight", "blk.1.ssm_out.weight", "output.weight"]),
+        Value::str_array(&[
+            "blk.0.attn_qkv.weight",
+            "blk.0.ffn_down.weight",
+            "blk.1.ssm_out.weight",
+            "output.weight",
+        ]),
     );
-    w.set("prism.hadamard.inverse_weight_names", Value::str_array(&["token_embd.weight"]));
+    w.set(
+        "prism.hadamard.inverse_weight_names",
+        Value::str_array(&["token_embd.weight"]),
+    );
     w.set("prism.hadamard.gdn_v_grouped", Value::Bool(true));
     for (name, ne0, ne1) in [
         ("token_embd.weight", N_EMBD, 8),
@@ -567,12 +678,27 @@ fn hadamard_config_accepts_a_valid_file() {
     assert!(cfg.is_inverse("token_embd.weight"));
     assert_eq!(
         cfg.folded_names().collect::<Vec<_>>(),
-        vec!["blk.0.attn_qkv.weight", "blk.0.ffn_down.weight", "blk.1.ssm_out.weight", "output.weight"]
+        vec![
+            "blk.0.attn_qkv.weight",
+            "blk.0.ffn_down.weight",
+            "blk.1.ssm_out.weight",
+            "output.weight"
+        ]
     );
-    assert_eq!(cfg.folded_width("blk.0.ffn_down.weight"), Some(N_FF as usize));
-    assert_eq!(cfg.sign_widths().collect::<Vec<_>>(), vec![N_EMBD as usize, N_FF as usize]);
+    assert_eq!(
+        cfg.folded_width("blk.0.ffn_down.weight"),
+        Some(N_FF as usize)
+    );
+    assert_eq!(
+        cfg.sign_widths().collect::<Vec<_>>(),
+        vec![N_EMBD as usize, N_FF as usize]
+    );
     assert_eq!(cfg.signs(N_EMBD as usize).unwrap().len(), N_EMBD as usize);
-    assert!(cfg.signs(N_FF as usize).unwrap().iter().all(|&s| s == 1.0 || s == -1.0));
+    assert!(cfg
+        .signs(N_FF as usize)
+        .unwrap()
+        .iter()
+        .all(|&s| s == 1.0 || s == -1.0));
     assert!(cfg.signs(64).is_none());
     assert!(cfg.needs_gdn_permutation("blk.1.ssm_out.weight"));
     assert!(!cfg.needs_gdn_permutation("blk.0.ffn_down.weight"));
@@ -608,7 +734,8 @@ fn hadamard_config_absent_without_keys() {
 #[test]
 fn hadamard_config_refuses_bad_files() {
     use HadamardError as E;
-    let cases: Vec<(&str, Box<dyn FnOnce(&mut GgufWriter)>, E)> = vec![
+    type Edit = Box<dyn FnOnce(&mut GgufWriter)>;
+    let cases: Vec<(&str, Edit, E)> = vec![
         (
             "non-power-of-two block",
             Box::new(|w| {
@@ -630,7 +757,10 @@ fn hadamard_config_refuses_bad_files() {
                 v[130] = 2;
                 w.set("prism.hadamard.sign_values", Value::i32_array(&v));
             }),
-            E::BadSignValue { index: 130, value: 2.0 },
+            E::BadSignValue {
+                index: 130,
+                value: 2.0,
+            },
         ),
         (
             "zero sign value",
@@ -639,50 +769,83 @@ fn hadamard_config_refuses_bad_files() {
                 v[0] = 0;
                 w.set("prism.hadamard.sign_values", Value::i32_array(&v));
             }),
-            E::BadSignValue { index: 0, value: 0.0 },
+            E::BadSignValue {
+                index: 0,
+                value: 0.0,
+            },
         ),
         (
             "sign length mismatch",
             Box::new(|w| {
-                w.set("prism.hadamard.sign_values", Value::i32_array(&vec![1; (N_EMBD + N_FF) as usize - 1]));
+                w.set(
+                    "prism.hadamard.sign_values",
+                    Value::i32_array(&vec![1; (N_EMBD + N_FF) as usize - 1]),
+                );
             }),
-            E::SignLengthMismatch { expected: N_EMBD + N_FF, actual: (N_EMBD + N_FF) as usize - 1 },
+            E::SignLengthMismatch {
+                expected: N_EMBD + N_FF,
+                actual: (N_EMBD + N_FF) as usize - 1,
+            },
         ),
         (
             "unknown weight name",
             Box::new(|w| {
-                w.set("prism.hadamard.weight_names", Value::str_array(&["blk.7.attn_q.weight"]));
+                w.set(
+                    "prism.hadamard.weight_names",
+                    Value::str_array(&["blk.7.attn_q.weight"]),
+                );
             }),
-            E::UnknownTensor { key: "prism.hadamard.weight_names", name: "blk.7.attn_q.weight".into() },
+            E::UnknownTensor {
+                key: "prism.hadamard.weight_names",
+                name: "blk.7.attn_q.weight".into(),
+            },
         ),
         (
             "non-foldable name",
             Box::new(|w| {
-                w.set("prism.hadamard.weight_names", Value::str_array(&["blk.0.attn_norm.weight"]));
+                w.set(
+                    "prism.hadamard.weight_names",
+                    Value::str_array(&["blk.0.attn_norm.weight"]),
+                );
             }),
             E::NotFoldable("blk.0.attn_norm.weight".into()),
         ),
         (
             "embedding as a folded weight",
             Box::new(|w| {
-                w.set("prism.hadamard.weight_names", Value::str_array(&["token_embd.weight"]));
+                w.set(
+                    "prism.hadamard.weight_names",
+                    Value::str_array(&["token_embd.weight"]),
+                );
             }),
             E::NotFoldable("token_embd.weight".into()),
         ),
         (
             "inverse name other than token_embd",
             Box::new(|w| {
-                w.set("prism.hadamard.inverse_weight_names", Value::str_array(&["output.weight"]));
+                w.set(
+                    "prism.hadamard.inverse_weight_names",
+                    Value::str_array(&["output.weight"]),
+                );
             }),
             E::BadInverseName("output.weight".into()),
         ),
         (
             "missing sign width",
             Box::new(|w| {
-                w.set("prism.hadamard.sign_widths", Value::i32_array(&[N_EMBD as i32]));
-                w.set("prism.hadamard.sign_values", Value::i32_array(&vec![1; N_EMBD as usize]));
+                w.set(
+                    "prism.hadamard.sign_widths",
+                    Value::i32_array(&[N_EMBD as i32]),
+                );
+                w.set(
+                    "prism.hadamard.sign_values",
+                    Value::i32_array(&vec![1; N_EMBD as usize]),
+                );
             }),
-            E::MissingSignWidth { name: "blk.0.ffn_down.weight".into(), width: N_FF },
+            E::MissingSignWidth {
+                name: "blk.0.ffn_down.weight".into(),
+                width: N_FF,
+            },
         ),
         (
             "wrong arch",
@@ -696,7 +859,11 @@ fn hadamard_config_refuses_bad_files() {
             Box::new(|w| {
                 w.set("prism.hadamard.block_size", Value::U32(128));
             }),
-            E::NotBlockMultiple { name: "blk.0.ffn_down.weight".into(), ne0: N_FF, block_size: 128 },
+            E::NotBlockMultiple {
+                name: "blk.0.ffn_down.weight".into(),
+                ne0: N_FF,
+                block_size: 128,
+            },
         ),
         (
             "bad transform",
@@ -729,15 +896,20 @@ fn hadamard_config_refuses_bad_files() {
         (
             "duplicate width",
             Box::new(|w| {
-                w.set("prism.hadamard.sign_widths", Value::i32_array(&[64, 64, 64, 128]));
+                w.set(
+                    "prism.hadamard.sign_widths",
+                    Value::i32_array(&[64, 64, 64, 128]),
+                );
             }),
             E::DuplicateSignWidth(64),
         ),
         (
             "second inverse name",
             Box::new(|w| {
-
-                w.set("prism.hadamard.inverse_weight_names", Value::str_array(&["token_embd.weight", "x"]));
+                w.set(
+                    "prism.hadamard.inverse_weight_names",
+                    Value::str_array(&["token_embd.weight", "x"]),
+                );
             }),
             E::BadInverseName("x".into()),
         ),
@@ -746,7 +918,11 @@ fn hadamard_config_refuses_bad_files() {
             Box::new(|w| {
                 w.set("prism.hadamard.block_size", Value::String("1024".into()));
             }),
-            E::WrongType { key: "prism.hadamard.block_size", expected: "integer", found: "string".into() },
+            E::WrongType {
+                key: "prism.hadamard.block_size",
+                expected: "integer",
+                found: "string".into(),
+            },
         ),
     ];
     for (what, edit, want) in cases {
@@ -771,18 +947,30 @@ fn hadamard_config_refuses_bad_files() {
     for (k, v) in [
         ("prism.hadamard.version", Value::U32(1)),
         ("prism.hadamard.block_size", Value::U32(64)),
-        ("prism.hadamard.transform", Value::String("normalized-sylvester-walsh-hadamard".into())),
-        ("prism.hadamard.axis", Value::String("input-last-dimension".into())),
+        (
+            "prism.hadamard.transform",
+            Value::String("normalized-sylvester-walsh-hadamard".into()),
+        ),
+        (
+            "prism.hadamard.axis",
+            Value::String("input-last-dimension".into()),
+        ),
         ("prism.hadamard.sign_mode", Value::String("identity".into())),
         ("prism.hadamard.weight_names", Value::str_array::<&str>(&[])),
-        ("prism.hadamard.inverse_weight_names", Value::str_array(&["token_embd.weight"])),
+        (
+            "prism.hadamard.inverse_weight_names",
+            Value::str_array(&["token_embd.weight"]),
+        ),
     ] {
         w.set(k, v);
     }
     let g = Gguf::from_bytes("noembd.gguf", w.to_bytes()).unwrap();
     assert_eq!(
         HadamardConfig::from_gguf(&g).unwrap_err(),
-        HadamardError::UnknownTensor { key: "prism.hadamard.inverse_weight_names", name: "token_embd.weight".into() }
+        HadamardError::UnknownTensor {
+            key: "prism.hadamard.inverse_weight_names",
+            name: "token_embd.weight".into()
+        }
     );
 }
 
@@ -845,7 +1033,10 @@ fn inverse_recovers_a_folded_embedding_row() {
     let e = rng.vec(N_EMBD as usize);
     let mut z = e.clone();
     cfg.forward_in_place(&mut z); // stored row: H_blk(s ⊙ e)
-    assert!(z.iter().zip(&e).any(|(a, b)| (a - b).abs() > 1e-3), "the fold must change the row");
+    assert!(
+        z.iter().zip(&e).any(|(a, b)| (a - b).abs() > 1e-3),
+        "the fold must change the row"
+    );
     cfg.inverse_in_place(&mut z);
     for (a, b) in z.iter().zip(&e) {
         assert!((a - b).abs() < 1e-6);
@@ -863,7 +1054,14 @@ fn inverse_recovers_a_folded_embedding_row() {
 #[test]
 fn gdn_permutation_round_trips_and_matches_the_formula() {
     let p = GdnPermutation::new(128 * 48, 48, 16).unwrap();
-    assert_eq!(p, GdnPermutation { hd: 128, nk: 16, rep: 3 });
+    assert_eq!(
+        p,
+        GdnPermutation {
+            hd: 128,
+            nk: 16,
+            rep: 3
+        }
+    );
     assert!(!p.is_identity());
     let tiled: Vec<f32> = (0..p.len()).map(|i| i as f32).collect();
     let mut grouped = vec![0.0; p.len()];
@@ -871,7 +1069,10 @@ fn gdn_permutation_round_trips_and_matches_the_formula() {
     for k in 0..p.nk {
         for r in 0..p.rep {
             for i in 0..p.hd {
-                assert_eq!(grouped[i + p.hd * (r + p.rep * k)], tiled[i + p.hd * (k + p.nk * r)]);
+                assert_eq!(
+                    grouped[i + p.hd * (r + p.rep * k)],
+                    tiled[i + p.hd * (k + p.nk * r)]
+                );
             }
         }
     }
@@ -892,6 +1093,10 @@ fn gdn_permutation_round_trips_and_matches_the_formula() {
 
     assert_eq!(
         GdnPermutation::new(100, 48, 16),
-        Err(HadamardError::BadGdnGeometry { width: 100, n_v: 48, n_k: 16 })
+        Err(HadamardError::BadGdnGeometry {
+            width: 100,
+            n_v: 48,
+            n_k: 16
+        })
     );
 }

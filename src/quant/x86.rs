@@ -53,7 +53,11 @@ macro_rules! block_kernel {
                 let mut c = [_mm256_setzero_ps(); 4];
                 for $g in 0..GROUPS {
                     let p = _mm256_mul_ps($levels, _mm256_loadu_ps(xp.add(8 * $g)));
-                    c[$g % 4] = if $g < 4 { p } else { _mm256_add_ps(c[$g % 4], p) };
+                    c[$g % 4] = if $g < 4 {
+                        p
+                    } else {
+                        _mm256_add_ps(c[$g % 4], p)
+                    };
                 }
                 let s = _mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3]));
                 let d = _mm256_set1_ps(f16_at($b.add($scale_at)));
@@ -144,15 +148,29 @@ unsafe fn ptq1_0_levels(b: *const u8) -> [i16; 128] {
         _mm256_storeu_si256(o.add(16 * n) as *mut __m256i, _mm256_sub_epi16(t, one));
     }
     // qs[16..24]: trit n of byte m is element 80 + 8n + m
-    let v = _mm_slli_epi16::<8>(_mm_cvtepu8_epi16(_mm_loadl_epi64(b.add(16) as *const __m128i)));
+    let v = _mm_slli_epi16::<8>(_mm_cvtepu8_epi16(_mm_loadl_epi64(
+        b.add(16) as *const __m128i
+    )));
     for (n, &p) in POW3.iter().enumerate() {
-        let t = _mm_mulhi_epu16(_mm_mullo_epi16(v, _mm_set1_epi16(p as i16)), _mm_set1_epi16(3));
-        _mm_storeu_si128(o.add(80 + 8 * n) as *mut __m128i, _mm_sub_epi16(t, _mm_set1_epi16(1)));
+        let t = _mm_mulhi_epu16(
+            _mm_mullo_epi16(v, _mm_set1_epi16(p as i16)),
+            _mm_set1_epi16(3),
+        );
+        _mm_storeu_si128(
+            o.add(80 + 8 * n) as *mut __m128i,
+            _mm_sub_epi16(t, _mm_set1_epi16(1)),
+        );
     }
     // qh[0..2]: trit n of byte h is element 120 + 2n + h
     let v = _mm_set1_epi32(((*b.add(24) as i32) << 8) | ((*b.add(25) as i32) << 24));
-    let t = _mm_mulhi_epu16(_mm_mullo_epi16(v, _mm_setr_epi16(1, 1, 3, 3, 9, 9, 27, 27)), _mm_set1_epi16(3));
-    _mm_storeu_si128(o.add(120) as *mut __m128i, _mm_sub_epi16(t, _mm_set1_epi16(1)));
+    let t = _mm_mulhi_epu16(
+        _mm_mullo_epi16(v, _mm_setr_epi16(1, 1, 3, 3, 9, 9, 27, 27)),
+        _mm_set1_epi16(3),
+    );
+    _mm_storeu_si128(
+        o.add(120) as *mut __m128i,
+        _mm_sub_epi16(t, _mm_set1_epi16(1)),
+    );
     out
 }
 
@@ -183,7 +201,10 @@ macro_rules! dense_kernel {
                 let e: [u8; $es] = row[j * $es..(j + 1) * $es].try_into().expect("element");
                 tail += $one(e) * x[j];
             }
-            hsum(_mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3]))) + tail
+            hsum(_mm256_add_ps(
+                _mm256_add_ps(c[0], c[1]),
+                _mm256_add_ps(c[2], c[3]),
+            )) + tail
         }
     };
 }

@@ -23,7 +23,9 @@ pub struct Options {
 
 /// The token ids the llama.cpp side uses too (bench_llama.py), so both evaluate the same text.
 fn prompt(n: usize) -> Vec<u32> {
-    (0..n).map(|i| ((i * 7919 + 13) % 200 + 256) as u32).collect()
+    (0..n)
+        .map(|i| ((i * 7919 + 13) % 200 + 256) as u32)
+        .collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -71,9 +73,18 @@ fn bench_llama(path: &Path, o: &Options, script: &Path) -> Result<Value> {
         .args(["--decode", &o.decode_tokens.to_string()])
         .args(["--runs", &o.runs.to_string(), "--threads", "2"])
         .output()
-        .with_context(|| format!("running {} (set TERN_PYTHON to a venv with llama-cpp-python)", o.python))?;
+        .with_context(|| {
+            format!(
+                "running {} (set TERN_PYTHON to a venv with llama-cpp-python)",
+                o.python
+            )
+        })?;
     if !out.status.success() {
-        bail!("llama.cpp bench failed on {}: {}", path.display(), String::from_utf8_lossy(&out.stderr));
+        bail!(
+            "llama.cpp bench failed on {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     Ok(serde_json::from_slice(&out.stdout)?)
 }
@@ -87,13 +98,21 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     let mut rows = Vec::new();
     for f in &o.files {
         if !f.exists() {
-            bail!("{} is missing: run `cargo xtask fixtures --bench`", f.display());
+            bail!(
+                "{} is missing: run `cargo xtask fixtures --bench`",
+                f.display()
+            );
         }
         eprintln!("tern cpu on {} ...", f.display());
         let t = bench_tern(&be, f, o)?;
         // Stock llama.cpp has no PQ2_0/PTQ1_0 kernels: it can only run the other files.
         let g = tern::gguf::Gguf::open(f)?;
-        let llama_can = !g.tensors().iter().any(|t| matches!(t.ty, tern::tensor::GgmlType::PQ2_0 | tern::tensor::GgmlType::PTQ1_0));
+        let llama_can = !g.tensors().iter().any(|t| {
+            matches!(
+                t.ty,
+                tern::tensor::GgmlType::PQ2_0 | tern::tensor::GgmlType::PTQ1_0
+            )
+        });
         let l = if o.llama && llama_can {
             eprintln!("llama.cpp on {} ...", f.display());
             Some(bench_llama(f, o, &script)?)
@@ -104,7 +123,10 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     }
     // Ratios are taken against llama.cpp on the Q8_0 file, the anchor of bench.md.
     let anchor = rows.iter().find_map(|r| r["llama"].as_object().cloned());
-    println!("{:<28} {:>8} {:>14} {:>14} {:>10} {:>10}", "file", "engine", "prefill t/s", "decode t/s", "pre ratio", "dec ratio");
+    println!(
+        "{:<28} {:>8} {:>14} {:>14} {:>10} {:>10}",
+        "file", "engine", "prefill t/s", "decode t/s", "pre ratio", "dec ratio"
+    );
     for r in &rows {
         for eng in ["tern", "llama"] {
             let v = &r[eng];
@@ -138,7 +160,10 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         "ratio_anchor": "llama.cpp on the first file it can run (bench-0.8b Q8_0)",
         "results": rows,
     });
-    std::fs::write(dir.join("bench.json"), serde_json::to_string_pretty(&report)?)?;
+    std::fs::write(
+        dir.join("bench.json"),
+        serde_json::to_string_pretty(&report)?,
+    )?;
     eprintln!("wrote {}", dir.join("bench.json").display());
     Ok(())
 }

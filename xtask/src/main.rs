@@ -96,7 +96,10 @@ fn main() -> Result<()> {
             }
             if o.files.is_empty() {
                 let d = root.join("fixtures/bench");
-                o.files = ["bench-0.8b-q8_0.gguf", "bench-0.8b-pq2_0.gguf"].iter().map(|f| d.join(f)).collect();
+                o.files = ["bench-0.8b-q8_0.gguf", "bench-0.8b-pq2_0.gguf"]
+                    .iter()
+                    .map(|f| d.join(f))
+                    .collect();
             }
             bench::run(&root, &o)
         }

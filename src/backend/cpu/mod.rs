@@ -7,9 +7,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{
-    AttnParams, Backend, BackendError, Fold, GdnParams, GdnWeights, WeightSource,
-};
+use super::{AttnParams, Backend, BackendError, Fold, GdnParams, GdnWeights, WeightSource};
 use crate::quant::{self, hadamard::HadamardConfig};
 use crate::tensor::GgmlType;
 
@@ -32,7 +30,11 @@ pub struct Tensor {
 
 impl Tensor {
     fn zeros(rows: usize, cols: usize) -> Tensor {
-        Tensor { data: vec![0.0; rows * cols], rows, cols }
+        Tensor {
+            data: vec![0.0; rows * cols],
+            rows,
+            cols,
+        }
     }
     fn row(&self, r: usize) -> &[f32] {
         &self.data[r * self.cols..(r + 1) * self.cols]
@@ -57,7 +59,9 @@ impl Weight {
     }
     /// The decoded values of a small weight.
     pub fn dense(&self) -> &[f32] {
-        self.dense.as_deref().expect("dense view of a matrix weight")
+        self.dense
+            .as_deref()
+            .expect("dense view of a matrix weight")
     }
 }
 
@@ -177,12 +181,13 @@ impl Backend for CpuBackend {
         }
         let (ne0, rows) = w.shape2();
         let row_bytes = w.info.row_bytes() as usize;
-        let dense = if rows == 1 || w.info.dims.len() == 1 || (ne0 * rows <= 1 << 16 && ne0 <= 8)
-        {
+        let dense = if rows == 1 || w.info.dims.len() == 1 || (ne0 * rows <= 1 << 16 && ne0 <= 8) {
             let mut out = vec![0f32; ne0 * rows];
-            quant::dequantize_row(ty, w.bytes(), &mut out).map_err(|e| BackendError::BadWeight {
-                name: w.info.name.clone(),
-                what: e.to_string(),
+            quant::dequantize_row(ty, w.bytes(), &mut out).map_err(|e| {
+                BackendError::BadWeight {
+                    name: w.info.name.clone(),
+                    what: e.to_string(),
+                }
             })?;
             Some(out)
         } else {
@@ -202,7 +207,11 @@ impl Backend for CpuBackend {
 
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Tensor {
         assert_eq!(data.len(), rows * cols);
-        Tensor { data: data.to_vec(), rows, cols }
+        Tensor {
+            data: data.to_vec(),
+            rows,
+            cols,
+        }
     }
 
     fn to_host(&self, t: &Tensor) -> Vec<f32> {
@@ -210,7 +219,11 @@ impl Backend for CpuBackend {
     }
 
     fn rows(&self, t: &Tensor, start: usize, n: usize) -> Tensor {
-        Tensor { data: t.data[start * t.cols..(start + n) * t.cols].to_vec(), rows: n, cols: t.cols }
+        Tensor {
+            data: t.data[start * t.cols..(start + n) * t.cols].to_vec(),
+            rows: n,
+            cols: t.cols,
+        }
     }
 
     fn concat_cols(&self, a: &Tensor, b: &Tensor) -> Tensor {
@@ -226,14 +239,21 @@ impl Backend for CpuBackend {
 
     fn embed(&self, table: &Weight, ids: &[u32]) -> Tensor {
         let mut out = Tensor::zeros(ids.len(), table.ne0);
-        out.data.par_chunks_mut(table.ne0).zip(ids.par_iter()).for_each(|(row, &id)| {
-            assert!((id as usize) < table.rows, "token id {id} outside the {} rows", table.rows);
-            quant::dequantize_row(table.ty, table.row_data(id as usize), row)
-                .expect("row length validated at load");
-            if let Some(h) = &table.inverse {
-                h.inverse_in_place(row);
-            }
-        });
+        out.data
+            .par_chunks_mut(table.ne0)
+            .zip(ids.par_iter())
+            .for_each(|(row, &id)| {
+                assert!(
+                    (id as usize) < table.rows,
+                    "token id {id} outside the {} rows",
+                    table.rows
+                );
+                quant::dequantize_row(table.ty, table.row_data(id as usize), row)
+                    .expect("row length validated at load");
+                if let Some(h) = &table.inverse {
+                    h.inverse_in_place(row);
+                }
+            });
         out
     }
 
@@ -254,9 +274,9 @@ impl Backend for CpuBackend {
             None => std::borrow::Cow::Borrowed(x),
             Some(fold) => {
                 let mut t = x.clone();
-                t.data.par_chunks_mut(x.cols).for_each_init(Vec::new, |scratch, row| {
-                    fold.apply(row, scratch)
-                });
+                t.data
+                    .par_chunks_mut(x.cols)
+                    .for_each_init(Vec::new, |scratch, row| fold.apply(row, scratch));
                 std::borrow::Cow::Owned(t)
             }
         };
@@ -274,28 +294,34 @@ impl Backend for CpuBackend {
         }
         if n_tok == 1 {
             let mut out = Tensor::zeros(1, n_out);
-            out.data.par_chunks_mut(ROW_CHUNK).enumerate().for_each(|(c, chunk)| {
-                for (i, o) in chunk.iter_mut().enumerate() {
-                    *o = quant::dot_row(w.ty, w.row_data(c * ROW_CHUNK + i), &x.data);
-                }
-            });
+            out.data
+                .par_chunks_mut(ROW_CHUNK)
+                .enumerate()
+                .for_each(|(c, chunk)| {
+                    for (i, o) in chunk.iter_mut().enumerate() {
+                        *o = quant::dot_row(w.ty, w.row_data(c * ROW_CHUNK + i), &x.data);
+                    }
+                });
             return out;
         }
         // Many tokens: decode each weight row once, then dot it with every token.
         let mut out_t = vec![0f32; n_out * n_tok];
-        out_t.par_chunks_mut(ROW_CHUNK * n_tok).enumerate().for_each_init(
-            || vec![0f32; w.ne0],
-            |row_f32, (c, chunk)| {
-                for (i, o) in chunk.chunks_mut(n_tok).enumerate() {
-                    let r = c * ROW_CHUNK + i;
-                    quant::dequantize_row(w.ty, w.row_data(r), row_f32)
-                        .expect("row length validated at load");
-                    for (t, o) in o.iter_mut().enumerate() {
-                        *o = dot(row_f32, x.row(t));
+        out_t
+            .par_chunks_mut(ROW_CHUNK * n_tok)
+            .enumerate()
+            .for_each_init(
+                || vec![0f32; w.ne0],
+                |row_f32, (c, chunk)| {
+                    for (i, o) in chunk.chunks_mut(n_tok).enumerate() {
+                        let r = c * ROW_CHUNK + i;
+                        quant::dequantize_row(w.ty, w.row_data(r), row_f32)
+                            .expect("row length validated at load");
+                        for (t, o) in o.iter_mut().enumerate() {
+                            *o = dot(row_f32, x.row(t));
+                        }
                     }
-                }
-            },
-        );
+                },
+            );
         let mut out = Tensor::zeros(n_tok, n_out);
         for r in 0..n_out {
             for t in 0..n_tok {
@@ -312,12 +338,25 @@ impl Backend for CpuBackend {
 
     fn swiglu(&self, gate: &Tensor, up: &Tensor) -> Tensor {
         assert_eq!(gate.data.len(), up.data.len());
-        let data = gate.data.iter().zip(&up.data).map(|(&g, &u)| silu(g) * u).collect();
-        Tensor { data, rows: gate.rows, cols: gate.cols }
+        let data = gate
+            .data
+            .iter()
+            .zip(&up.data)
+            .map(|(&g, &u)| silu(g) * u)
+            .collect();
+        Tensor {
+            data,
+            rows: gate.rows,
+            cols: gate.cols,
+        }
     }
 
     fn new_kv(&self, p: &AttnParams) -> Kv {
-        Kv { k: Vec::new(), v: Vec::new(), width: p.n_head_kv * p.head_dim }
+        Kv {
+            k: Vec::new(),
+            v: Vec::new(),
+            width: p.n_head_kv * p.head_dim,
+        }
     }
 
     fn kv_len(&self, kv: &Kv) -> usize {
@@ -344,7 +383,12 @@ impl Backend for CpuBackend {
         let n_tok = qg.rows;
         assert_eq!(qg.cols, 2 * p.n_head * hd);
         assert_eq!(k.cols, p.n_head_kv * hd);
-        assert_eq!(self.kv_len(kv), pos0, "attention: cache holds {} positions, batch starts at {pos0}", self.kv_len(kv));
+        assert_eq!(
+            self.kv_len(kv),
+            pos0,
+            "attention: cache holds {} positions, batch starts at {pos0}",
+            self.kv_len(kv)
+        );
         let (qn, kn) = (q_norm.dense(), k_norm.dense());
         // Queries and gates, normed and rotated.
         let mut q = vec![0f32; n_tok * p.n_head * hd];
@@ -373,34 +417,40 @@ impl Backend for CpuBackend {
         let width = kv.width;
         let mut out = Tensor::zeros(n_tok, p.n_head * hd);
         let (kc, vc) = (&kv.k, &kv.v);
-        out.data.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
-            let (t, h) = (idx / p.n_head, idx % p.n_head);
-            let kvh = h / group;
-            let qh = &q[idx * hd..(idx + 1) * hd];
-            let n_ctx = pos0 + t + 1;
-            let mut scores: Vec<f32> = (0..n_ctx)
-                .map(|j| dot(qh, &kc[j * width + kvh * hd..][..hd]) * p.scale)
-                .collect();
-            let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0f64;
-            for s in scores.iter_mut() {
-                *s = (*s - m).exp();
-                sum += *s as f64;
-            }
-            let inv = (1.0 / sum) as f32;
-            for (j, &s) in scores.iter().enumerate() {
-                let vr = &vc[j * width + kvh * hd..][..hd];
-                let w = s * inv;
-                o.iter_mut().zip(vr).for_each(|(a, &b)| *a += w * b);
-            }
-            let g = &gate[idx * hd..(idx + 1) * hd];
-            o.iter_mut().zip(g).for_each(|(a, &b)| *a *= sigmoid(b));
-        });
+        out.data
+            .par_chunks_mut(hd)
+            .enumerate()
+            .for_each(|(idx, o)| {
+                let (t, h) = (idx / p.n_head, idx % p.n_head);
+                let kvh = h / group;
+                let qh = &q[idx * hd..(idx + 1) * hd];
+                let n_ctx = pos0 + t + 1;
+                let mut scores: Vec<f32> = (0..n_ctx)
+                    .map(|j| dot(qh, &kc[j * width + kvh * hd..][..hd]) * p.scale)
+                    .collect();
+                let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f64;
+                for s in scores.iter_mut() {
+                    *s = (*s - m).exp();
+                    sum += *s as f64;
+                }
+                let inv = (1.0 / sum) as f32;
+                for (j, &s) in scores.iter().enumerate() {
+                    let vr = &vc[j * width + kvh * hd..][..hd];
+                    let w = s * inv;
+                    o.iter_mut().zip(vr).for_each(|(a, &b)| *a += w * b);
+                }
+                let g = &gate[idx * hd..(idx + 1) * hd];
+                o.iter_mut().zip(g).for_each(|(a, &b)| *a *= sigmoid(b));
+            });
         out
     }
 
     fn new_recurrent(&self, p: &GdnParams) -> Recurrent {
-        Recurrent { conv: vec![0.0; p.conv_state_len()], ssm: vec![0.0; p.ssm_state_len()] }
+        Recurrent {
+            conv: vec![0.0; p.conv_state_len()],
+            ssm: vec![0.0; p.ssm_state_len()],
+        }
     }
 
     fn recurrent_copy(&self, from: &Recurrent, to: &mut Recurrent) {
@@ -453,8 +503,10 @@ impl Backend for CpuBackend {
             let zr = z.row(t);
             let (br, ar) = (b.row(t), a.row(t));
             let orow = &mut out.data[t * p.n_v * d..(t + 1) * p.n_v * d];
-            orow.par_chunks_mut(d).zip(st.ssm.par_chunks_mut(d * d)).enumerate().for_each(
-                |(j, (o, s))| {
+            orow.par_chunks_mut(d)
+                .zip(st.ssm.par_chunks_mut(d * d))
+                .enumerate()
+                .for_each(|(j, (o, s))| {
                     let kh = j % p.n_k;
                     let (q, k) = (&qs[kh * d..(kh + 1) * d], &ks[kh * d..(kh + 1) * d]);
                     let v = &vs[j * d..(j + 1) * d];
@@ -467,9 +519,15 @@ impl Backend for CpuBackend {
                     for i in 0..d {
                         let srow = &s[i * d..(i + 1) * d];
                         let ki = k[i];
-                        kv.iter_mut().zip(srow).for_each(|(acc, &sv)| *acc += sv * ki);
+                        kv.iter_mut()
+                            .zip(srow)
+                            .for_each(|(acc, &sv)| *acc += sv * ki);
                     }
-                    let delta: Vec<f32> = v.iter().zip(&kv).map(|(&vv, &kk)| beta * (vv - kk)).collect();
+                    let delta: Vec<f32> = v
+                        .iter()
+                        .zip(&kv)
+                        .map(|(&vv, &kk)| beta * (vv - kk))
+                        .collect();
                     o.iter_mut().for_each(|x| *x = 0.0);
                     for i in 0..d {
                         let srow = &mut s[i * d..(i + 1) * d];
@@ -485,8 +543,7 @@ impl Backend for CpuBackend {
                     for i in 0..d {
                         o[i] = o[i] * sc * norm_w[i] * silu(zj[i]);
                     }
-                },
-            );
+                });
         }
         out
     }
