@@ -7,6 +7,7 @@
 //! consume it without the activation transform.
 
 pub mod cpu;
+pub mod wgpu;
 
 use std::sync::Arc;
 
@@ -87,6 +88,34 @@ pub struct AttnParams {
     pub scale: f32,
 }
 
+/// Element types of an attention cache, chosen separately for K and V.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct KvTypes {
+    pub k: GgmlType,
+    pub v: GgmlType,
+}
+
+impl Default for KvTypes {
+    fn default() -> Self {
+        KvTypes { k: GgmlType::F32, v: GgmlType::F32 }
+    }
+}
+
+impl KvTypes {
+    /// The cache dtypes tern supports: f32, f16, bf16, q8_0, q4_0.
+    pub fn check(&self) -> Result<(), BackendError> {
+        for (which, t) in [("K", self.k), ("V", self.v)] {
+            if !matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_0) {
+                return Err(BackendError::BadWeight {
+                    name: format!("{which} cache"),
+                    what: format!("type {t} is not a KV cache type (f32, f16, bf16, q8_0, q4_0)"),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Geometry of a Gated DeltaNet layer.
 #[derive(Copy, Clone, Debug)]
 pub struct GdnParams {
@@ -144,7 +173,8 @@ pub trait Backend: Send + Sync {
     /// `silu(gate) ⊙ up`.
     fn swiglu(&self, gate: &Self::T, up: &Self::T) -> Self::T;
 
-    fn new_kv(&self, p: &AttnParams) -> Self::Kv;
+    /// An empty attention cache for one layer of one sequence, K and V in the given dtypes.
+    fn new_kv(&self, p: &AttnParams, types: KvTypes) -> Result<Self::Kv, BackendError>;
     fn kv_len(&self, kv: &Self::Kv) -> usize;
     /// Drops cached positions `>= len` (rollback and prefix reuse).
     fn kv_truncate(&self, kv: &mut Self::Kv, len: usize);
@@ -184,21 +214,6 @@ pub trait Backend: Send + Sync {
     ) -> Self::T;
 
     fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
-}
-
-/// Picks a backend by name. Only `cpu` exists in this build; others say so.
-pub fn check_backend_name(name: &str) -> Result<(), BackendError> {
-    match name {
-        "cpu" | "auto" => Ok(()),
-        "wgpu" | "cuda" => Err(BackendError::Unavailable(
-            name.to_string(),
-            "this build has only the cpu backend".to_string(),
-        )),
-        other => Err(BackendError::Unavailable(
-            other.to_string(),
-            "unknown backend (expected cpu, wgpu, cuda or auto)".to_string(),
-        )),
-    }
 }
 
 /// NMSE = Σ(a−b)² / Σb², the comparison measure of goldens.md.

@@ -2,7 +2,7 @@
 
 use super::weights::{Layer, Mixer};
 use super::{Model, ModelError, Output};
-use crate::backend::{Backend, GdnWeights};
+use crate::backend::{Backend, GdnWeights, KvTypes};
 
 /// Per-sequence state of the trunk: attention KV for full-attention layers, conv + SSM state
 /// for Gated DeltaNet layers, and the next position.
@@ -19,18 +19,31 @@ pub struct MtpState<B: Backend> {
 }
 
 impl<B: Backend> Model<B> {
+    /// A fresh sequence with an f32 attention cache.
     pub fn new_state(&self, be: &B) -> SeqState<B> {
+        self.new_state_with(be, KvTypes::default())
+            .expect("an f32 KV cache is always supported")
+    }
+
+    /// A fresh sequence whose attention cache holds K and V in the given dtypes.
+    pub fn new_state_with(&self, be: &B, kv_types: KvTypes) -> Result<SeqState<B>, ModelError> {
         let (ap, gp) = (self.cfg.attn_params(), self.cfg.gdn_params());
         let n = self.cfg.n_layer;
-        SeqState {
+        let mut kv = Vec::with_capacity(n);
+        for il in 0..n {
+            kv.push(if self.cfg.is_recurrent(il) {
+                None
+            } else {
+                Some(be.new_kv(&ap, kv_types)?)
+            });
+        }
+        Ok(SeqState {
             pos: 0,
-            kv: (0..n)
-                .map(|il| (!self.cfg.is_recurrent(il)).then(|| be.new_kv(&ap)))
-                .collect(),
+            kv,
             rs: (0..n)
                 .map(|il| self.cfg.is_recurrent(il).then(|| be.new_recurrent(&gp)))
                 .collect(),
-        }
+        })
     }
 
     pub fn new_mtp_state(&self, be: &B) -> Result<MtpState<B>, ModelError> {
@@ -39,7 +52,7 @@ impl<B: Backend> Model<B> {
         }
         Ok(MtpState {
             pos: 0,
-            kv: be.new_kv(&self.cfg.attn_params()),
+            kv: be.new_kv(&self.cfg.attn_params(), KvTypes::default())?,
         })
     }
 

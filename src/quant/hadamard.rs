@@ -194,7 +194,8 @@ pub struct HadamardConfig {
     /// Folded `ssm_out` weights keep the grouped V-head column order; their input must be
     /// permuted from tiled to grouped first (`GdnPermutation`).
     pub gdn_v_grouped: bool,
-    /// Version-2 files may tie the output projection to the (folded) embedding.
+    /// `prism.hadamard.tied_output` (version 2): the output projection reuses `token_embd`,
+    /// whose rows are stored folded, so that matmul's input needs `forward_in_place` too.
     pub tied_output: bool,
     pub sign_mode: SignMode,
     signs: BTreeMap<usize, Vec<f32>>,

@@ -167,3 +167,34 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     eprintln!("wrote {}", dir.join("bench.json").display());
     Ok(())
 }
+
+/// `cargo xtask bench --kernels`: `quant::dot_row` throughput per weight type, in GB/s of
+/// weight bytes, over a matrix larger than the caches (what decode streams).
+pub fn kernels() -> Result<()> {
+    use tern::tensor::GgmlType::*;
+    let (rows, cols) = (16384usize, 4096usize);
+    let x: Vec<f32> = (0..cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+    let src: Vec<f32> = (0..cols).map(|i| ((i * 104729) % 2000) as f32 / 1000.0 - 1.0).collect();
+    println!("{:<8} {:>12} {:>16}", "type", "GB/s", "G elements/s");
+    for ty in [F32, F16, BF16, Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let row = tern::quant::quantize_row(ty, &src)?;
+        let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
+        let mut best = f64::MAX;
+        let mut sink = 0f32;
+        for _ in 0..3 {
+            let t = Instant::now();
+            for r in 0..rows {
+                sink += tern::quant::dot_row(ty, &m[r * row.len()..(r + 1) * row.len()], &x);
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(sink);
+        println!(
+            "{:<8} {:>12.2} {:>16.2}",
+            ty.name(),
+            m.len() as f64 / best / 1e9,
+            (rows * cols) as f64 / best / 1e9
+        );
+    }
+    Ok(())
+}

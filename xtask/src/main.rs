@@ -17,7 +17,8 @@ const USAGE: &str = "usage: cargo xtask <task>
                         fixtures, writing fixtures/golden/ (needs TERN_PYTHON or python3 with
                         llama-cpp-python==0.3.36, gguf, numpy)
   bench [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
-                        tern vs stock llama.cpp on the bench files (default: fixtures/bench/*)";
+                        tern vs stock llama.cpp on the bench files (default: fixtures/bench/*)
+  bench --kernels       single-thread dot_row throughput per weight type";
 
 /// The Python that has llama-cpp-python: $TERN_PYTHON, else python3 on the PATH.
 fn python() -> String {
@@ -77,6 +78,9 @@ fn main() -> Result<()> {
                 llama: true,
                 python: python(),
             };
+            if args[1..].iter().any(|a| a == "--kernels") {
+                return bench::kernels();
+            }
             let mut it = args[1..].iter();
             let num = |v: Option<&String>, flag: &str| -> Result<usize> {
                 match v.map(|s| s.parse::<usize>()) {

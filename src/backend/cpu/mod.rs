@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{AttnParams, Backend, BackendError, Fold, GdnParams, GdnWeights, WeightSource};
+use super::{AttnParams, Backend, BackendError, Fold, GdnParams, GdnWeights, KvTypes, WeightSource};
 use crate::quant::{self, hadamard::HadamardConfig};
 use crate::tensor::GgmlType;
 
@@ -65,10 +65,21 @@ impl Weight {
     }
 }
 
+/// The attention cache of one layer. Values are kept as f32 but rounded through the chosen
+/// dtype when stored, so the numbers are exactly those of a cache held in that dtype.
 pub struct Kv {
     k: Vec<f32>,
     v: Vec<f32>,
     width: usize,
+    types: KvTypes,
+}
+
+/// Rounds one cache row through `ty` (quantize then dequantize), as storing it would.
+fn round_through(ty: GgmlType, row: &mut [f32]) {
+    if ty != GgmlType::F32 {
+        let q = quant::quantize_row(ty, row).expect("cache row is whole blocks");
+        quant::dequantize_row(ty, &q, row).expect("cache row is whole blocks");
+    }
 }
 
 #[derive(Clone)]
@@ -351,12 +362,18 @@ impl Backend for CpuBackend {
         }
     }
 
-    fn new_kv(&self, p: &AttnParams) -> Kv {
-        Kv {
-            k: Vec::new(),
-            v: Vec::new(),
-            width: p.n_head_kv * p.head_dim,
+    fn new_kv(&self, p: &AttnParams, types: KvTypes) -> Result<Kv, BackendError> {
+        types.check()?;
+        let width = p.n_head_kv * p.head_dim;
+        for t in [types.k, types.v] {
+            if width % t.block_size() != 0 {
+                return Err(BackendError::BadWeight {
+                    name: "KV cache".into(),
+                    what: format!("row width {width} is not a multiple of the {t} block size"),
+                });
+            }
         }
+        Ok(Kv { k: Vec::new(), v: Vec::new(), width, types })
     }
 
     fn kv_len(&self, kv: &Kv) -> usize {
@@ -411,7 +428,13 @@ impl Backend for CpuBackend {
                 rope_neox(&mut kr, pos0 + t, p.n_rot, p.rope_base, p.rope_sections);
                 kv.k.extend_from_slice(&kr);
             }
+            {
+                let n = kv.k.len();
+                round_through(kv.types.k, &mut kv.k[n - kv.width..]);
+            }
             kv.v.extend_from_slice(v.row(t));
+            let n = kv.v.len();
+            round_through(kv.types.v, &mut kv.v[n - kv.width..]);
         }
         let group = p.n_head / p.n_head_kv;
         let width = kv.width;

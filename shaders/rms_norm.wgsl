@@ -1,0 +1,42 @@
+// y[r] = x[r] * w / sqrt(mean(x[r]^2) + eps): one workgroup per row.
+struct Params {
+    rows: u32,
+    cols: u32,
+    eps: f32,
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read> w: array<f32>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+
+const WG: u32 = 256u;
+var<workgroup> partial: array<f32, WG>;
+
+@compute @workgroup_size(256)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>) {
+    let r = wid.x + wid.y * nwg.x;
+    if (r >= p.rows) {
+        return;
+    }
+    let base = r * p.cols;
+    var s = 0.0;
+    for (var i = lid.x; i < p.cols; i += WG) {
+        let v = x[base + i];
+        s += v * v;
+    }
+    partial[lid.x] = s;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
+        if (lid.x < stride) {
+            partial[lid.x] += partial[lid.x + stride];
+        }
+        workgroupBarrier();
+    }
+    let scale = 1.0 / sqrt(partial[0] / f32(p.cols) + p.eps);
+    for (var i = lid.x; i < p.cols; i += WG) {
+        y[base + i] = x[base + i] * scale * w[i];
+    }
+}

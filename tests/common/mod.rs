@@ -1,0 +1,113 @@
+//! Shared helpers for the op-level tests: seeded random data, weights built in memory, the
+//! NMSE comparison, and the list of backends present on this machine.
+#![allow(dead_code)]
+
+use std::sync::{Arc, OnceLock};
+
+use tern::backend::cpu::CpuBackend;
+use tern::backend::wgpu::WgpuBackend;
+use tern::backend::{nmse, Fold, WeightSource};
+use tern::gguf::{Gguf, GgufWriter};
+use tern::quant::hadamard::HadamardConfig;
+use tern::tensor::GgmlType;
+
+/// splitmix64: deterministic test data.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    pub fn f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+    pub fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f32() * scale).collect()
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+}
+
+/// A weight `{ne0, rows}` of type `ty` quantized from `data`, as the model would hand it to a
+/// backend (in an in-memory GGUF), optionally with a fold.
+pub fn weight(name: &str, ty: GgmlType, ne0: usize, rows: usize, data: &[f32]) -> WeightSource {
+    assert_eq!(data.len(), ne0 * rows);
+    let mut bytes = Vec::new();
+    for r in 0..rows {
+        bytes.extend(tern::quant::quantize_row(ty, &data[r * ne0..(r + 1) * ne0]).unwrap());
+    }
+    let dims: Vec<u64> = if rows == 1 { vec![ne0 as u64] } else { vec![ne0 as u64, rows as u64] };
+    let mut w = GgufWriter::new();
+    w.add_tensor(name, &dims, ty, bytes);
+    let file = Arc::new(Gguf::from_bytes(format!("{name}.gguf"), w.to_bytes()).unwrap());
+    let info = file.tensor(name).unwrap().clone();
+    WeightSource { file, info, fold: None, inverse: None }
+}
+
+pub fn with_fold(mut w: WeightSource, h: &Arc<HadamardConfig>, perm: Option<tern::quant::hadamard::GdnPermutation>) -> WeightSource {
+    w.fold = Some(Fold { hadamard: h.clone(), perm });
+    w
+}
+
+/// Asserts NMSE(ours, reference) <= tol, printing the figure either way.
+pub fn assert_close(what: &str, ours: &[f32], reference: &[f32], tol: f64) {
+    assert_eq!(ours.len(), reference.len(), "{what}: length");
+    assert!(ours.iter().all(|v| v.is_finite()), "{what}: non-finite output");
+    let e = nmse(ours, reference);
+    println!("{what}: NMSE {e:.3e} (tolerance {tol:e})");
+    assert!(e <= tol, "{what}: NMSE {e:e} > {tol:e}");
+}
+
+pub fn cpu() -> CpuBackend {
+    CpuBackend::new()
+}
+
+/// The wgpu backend when an adapter exists (lavapipe in CI), shared by the tests of one
+/// binary; `None` with the reason printed otherwise.
+pub fn wgpu() -> Option<&'static WgpuBackend> {
+    static BE: OnceLock<Option<WgpuBackend>> = OnceLock::new();
+    BE.get_or_init(|| match WgpuBackend::new() {
+        Ok(b) => {
+            eprintln!("{}", b.gpu.describe());
+            Some(b)
+        }
+        Err(e) => {
+            eprintln!("wgpu tests skipped: {e}");
+            None
+        }
+    })
+    .as_ref()
+}
+
+/// Instantiates a generic test body `fn(&B)` once per backend: `cpu` always, `wgpu` when an
+/// adapter is present (otherwise it prints why it skipped).
+#[macro_export]
+macro_rules! per_backend {
+    ($($name:ident),* $(,)?) => {
+        mod cpu_backend {
+            $(
+                #[test]
+                fn $name() {
+                    super::$name(&super::common::cpu());
+                }
+            )*
+        }
+        mod wgpu_backend {
+            $(
+                #[test]
+                fn $name() {
+                    match super::common::wgpu() {
+                        Some(be) => super::$name(be),
+                        None => eprintln!("skipped: no wgpu adapter"),
+                    }
+                }
+            )*
+        }
+    };
+}
