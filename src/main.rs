@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
 use tern::backend::cpu::CpuBackend;
+use tern::backend::wgpu::WgpuBackend;
 use tern::backend::Backend;
 use tern::gguf::Gguf;
 use tern::model::Model;
@@ -98,15 +99,52 @@ fn open_file(model: Option<PathBuf>) -> Result<Arc<Gguf>> {
     }))
 }
 
-/// Only the CPU backend exists in this build; asking for another is an error that says so,
-/// `auto` says why it chose the CPU.
-fn cpu_backend(name: BackendName) -> Result<CpuBackend> {
+/// The backend a command runs on.
+enum Picked {
+    Cpu(CpuBackend),
+    Wgpu(WgpuBackend),
+}
+
+/// Runs a generic body on whichever backend was picked.
+macro_rules! on_backend {
+    ($picked:expr, |$be:ident| $body:expr) => {
+        match $picked {
+            Picked::Cpu($be) => $body,
+            Picked::Wgpu($be) => $body,
+        }
+    };
+}
+
+/// `auto` takes wgpu when an adapter exists and says why it fell back to the CPU otherwise;
+/// an explicit backend that cannot start is an error naming the reason.
+fn pick_backend(name: BackendName) -> Result<Picked> {
     match name {
-        BackendName::Cpu => {}
-        BackendName::Auto => eprintln!("backend: cpu (auto: this build has no GPU backend)"),
-        other => bail!("backend {other:?} is not available in this build: only cpu is implemented"),
+        BackendName::Cpu => Ok(Picked::Cpu(CpuBackend::new())),
+        BackendName::Wgpu => {
+            let be = WgpuBackend::new()?;
+            eprintln!("{}", be.gpu.describe());
+            Ok(Picked::Wgpu(be))
+        }
+        BackendName::Cuda => bail!("backend cuda is not available in this build (build with --features cuda once the CUDA backend lands)"),
+        BackendName::Auto => match WgpuBackend::new() {
+            // A software rasterizer (lavapipe, WARP) is slower than the CPU backend.
+            Ok(be) if be.gpu.info.device_type == wgpu::DeviceType::Cpu => {
+                eprintln!(
+                    "backend: cpu (auto: the only wgpu adapter, {:?}, is a software renderer; --backend wgpu forces it)",
+                    be.gpu.info.name
+                );
+                Ok(Picked::Cpu(CpuBackend::new()))
+            }
+            Ok(be) => {
+                eprintln!("backend: wgpu (auto); {}", be.gpu.describe());
+                Ok(Picked::Wgpu(be))
+            }
+            Err(e) => {
+                eprintln!("backend: cpu (auto: {e})");
+                Ok(Picked::Cpu(CpuBackend::new()))
+            }
+        },
     }
-    Ok(CpuBackend::new())
 }
 
 fn main() -> Result<()> {
@@ -122,7 +160,6 @@ fn main() -> Result<()> {
             out,
         } => {
             let file = open_file(model)?;
-            let be = cpu_backend(backend)?;
             let tokens = match (tokens, prompt) {
                 (Some(t), _) => t,
                 (None, Some(p)) => Tokenizer::from_gguf(&file)?.encode(&p, true, true)?,
@@ -131,15 +168,12 @@ fn main() -> Result<()> {
             if tokens.is_empty() {
                 bail!("no tokens to evaluate");
             }
-            let m = Model::load(&be, file)?;
-            let rows = logits_rows(&be, &m, &tokens, mode)?;
-            tern::npy::write(&out, &rows, &[tokens.len(), m.cfg.n_vocab])?;
-            eprintln!(
-                "wrote {} [{} x {}]",
-                out.display(),
-                tokens.len(),
-                m.cfg.n_vocab
-            );
+            let (rows, n_vocab) = on_backend!(pick_backend(backend)?, |be| {
+                let m = Model::load(&be, file)?;
+                (logits_rows(&be, &m, &tokens, mode)?, m.cfg.n_vocab)
+            });
+            tern::npy::write(&out, &rows, &[tokens.len(), n_vocab])?;
+            eprintln!("wrote {} [{} x {}]", out.display(), tokens.len(), n_vocab);
             Ok(())
         }
         Cmd::Generate {
@@ -153,14 +187,13 @@ fn main() -> Result<()> {
             backend,
         } => {
             let file = open_file(model)?;
-            let be = cpu_backend(backend)?;
             let sampler = SamplerConfig {
                 temperature: temp,
                 top_k,
                 top_p,
                 seed,
             };
-            generate(&be, file, &prompt, n_predict, sampler)
+            on_backend!(pick_backend(backend)?, |be| generate(&be, file, &prompt, n_predict, sampler))
         }
     }
 }

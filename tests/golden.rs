@@ -2,6 +2,8 @@
 //! the same file and tokens, for prefill (one batch) and token-by-token decode, and the MTP
 //! head against the NumPy reference. One test body; one instance per backend present.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use tern::backend::{nmse, Backend};
@@ -166,19 +168,30 @@ fn check<B: Backend>(be: &B, file: &str) {
 }
 
 macro_rules! golden_tests {
-    ($backend:ident, $make:expr, [$($name:ident => $file:literal),* $(,)?]) => {
-        mod $backend {
+    ($($name:ident => $file:literal),* $(,)?) => {
+        mod cpu {
             $(
                 #[test]
                 fn $name() {
-                    super::check(&$make, $file);
+                    super::check(&super::common::cpu(), $file);
+                }
+            )*
+        }
+        mod wgpu {
+            $(
+                #[test]
+                fn $name() {
+                    match super::common::wgpu() {
+                        Some(be) => super::check(be, $file),
+                        None => eprintln!("skipped: no wgpu adapter"),
+                    }
                 }
             )*
         }
     };
 }
 
-golden_tests!(cpu, tern::backend::cpu::CpuBackend::new(), [
+golden_tests!(
     tiny_f32 => "tiny-f32.gguf",
     tiny_f16 => "tiny-f16.gguf",
     tiny_bf16 => "tiny-bf16.gguf",
@@ -187,4 +200,4 @@ golden_tests!(cpu, tern::backend::cpu::CpuBackend::new(), [
     tiny_tied_f32 => "tiny-tied-f32.gguf",
     tiny_tied_q8_0 => "tiny-tied-q8_0.gguf",
     tiny_pq2_0 => "tiny-pq2_0.gguf",
-]);
+);
