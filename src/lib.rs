@@ -9,6 +9,6 @@ pub mod gguf;
 pub mod model;
 pub mod npy;
 pub mod quant;
-pub mod sampler;
+pub mod runtime;
 pub mod tensor;
 pub mod tokenizer;

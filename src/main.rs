@@ -11,7 +11,7 @@ use tern::backend::wgpu::WgpuBackend;
 use tern::backend::Backend;
 use tern::gguf::Gguf;
 use tern::model::Model;
-use tern::sampler::{Sampler, SamplerConfig};
+use tern::runtime::sampler::{Sampler, SamplerConfig};
 use tern::tokenizer::Tokenizer;
 
 #[derive(Parser)]
@@ -78,15 +78,22 @@ enum Cmd {
         /// Tokens to generate.
         #[arg(short = 'n', long = "n-predict", default_value_t = 64)]
         n_predict: usize,
-        /// 0 is greedy.
-        #[arg(long, default_value_t = 0.0)]
-        temp: f32,
+        /// Sampling temperature; 0 is greedy. Unset fields take the model's own defaults
+        /// (general.sampling.*), then llama.cpp's.
+        #[arg(long)]
+        temp: Option<f32>,
         #[arg(long, default_value_t = 0)]
         seed: u64,
-        #[arg(long = "top-k", default_value_t = 0)]
-        top_k: usize,
-        #[arg(long = "top-p", default_value_t = 1.0)]
-        top_p: f32,
+        #[arg(long = "top-k")]
+        top_k: Option<usize>,
+        #[arg(long = "top-p")]
+        top_p: Option<f32>,
+        #[arg(long = "min-p")]
+        min_p: Option<f32>,
+        #[arg(long = "presence-penalty")]
+        presence_penalty: Option<f32>,
+        #[arg(long = "frequency-penalty")]
+        frequency_penalty: Option<f32>,
         #[arg(long, value_enum, default_value = "auto")]
         backend: BackendName,
     },
@@ -184,15 +191,24 @@ fn main() -> Result<()> {
             seed,
             top_k,
             top_p,
+            min_p,
+            presence_penalty,
+            frequency_penalty,
             backend,
         } => {
             let file = open_file(model)?;
+            let d = SamplerConfig::from_gguf(&file);
             let sampler = SamplerConfig {
-                temperature: temp,
-                top_k,
-                top_p,
+                temperature: temp.unwrap_or(d.temperature),
+                top_k: top_k.unwrap_or(d.top_k),
+                top_p: top_p.unwrap_or(d.top_p),
+                min_p: min_p.unwrap_or(d.min_p),
+                presence_penalty: presence_penalty.unwrap_or(d.presence_penalty),
+                frequency_penalty: frequency_penalty.unwrap_or(d.frequency_penalty),
+                penalty_last_n: d.penalty_last_n,
                 seed,
             };
+            sampler.validate().map_err(anyhow::Error::msg)?;
             on_backend!(pick_backend(backend)?, |be| generate(&be, file, &prompt, n_predict, sampler))
         }
     }
@@ -230,12 +246,13 @@ fn generate<B: Backend>(
     if ids.is_empty() {
         bail!("the prompt tokenizes to nothing");
     }
-    let mut sampler = Sampler::new(sc);
+    let mut sampler = Sampler::new(sc.clone());
     let mut st = m.new_state(be);
     let t0 = Instant::now();
     let out = m.forward(be, &mut st, &ids, false).context("prompt")?;
     let prefill_s = t0.elapsed().as_secs_f64();
-    let mut next = sampler.sample(&be.to_host(&out.logits));
+    let greedy = sampler.is_greedy();
+    let mut next = pick(be, &mut sampler, &out.logits, greedy);
     let mut stdout = std::io::stdout().lock();
     let mut pending: Vec<u8> = Vec::new();
     let t1 = Instant::now();
@@ -259,7 +276,7 @@ fn generate<B: Backend>(
             break;
         }
         let out = m.forward(be, &mut st, &[next], false)?;
-        next = sampler.sample(&be.to_host(&out.logits));
+        next = pick(be, &mut sampler, &out.logits, greedy);
     }
     stdout.write_all(&pending)?;
     writeln!(stdout)?;
@@ -275,6 +292,17 @@ fn generate<B: Backend>(
         be.name()
     );
     Ok(())
+}
+
+/// Greedy decoding reads back only the chosen id; sampling needs the logits row.
+fn pick<B: Backend>(be: &B, sampler: &mut Sampler, logits: &B::T, greedy: bool) -> u32 {
+    let id = if greedy {
+        be.argmax_rows(logits)[0]
+    } else {
+        sampler.sample(&be.to_host(logits))
+    };
+    sampler.accept(id);
+    id
 }
 
 fn inspect(file: Arc<Gguf>, all_tensors: bool) -> Result<()> {

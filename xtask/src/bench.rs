@@ -19,6 +19,8 @@ pub struct Options {
     pub runs: usize,
     pub llama: bool,
     pub python: String,
+    /// Backends to measure: "cpu", "wgpu".
+    pub backends: Vec<String>,
 }
 
 /// The token ids the llama.cpp side uses too (bench_llama.py), so both evaluate the same text.
@@ -93,7 +95,14 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     if o.files.is_empty() {
         bail!("no bench files: run `cargo xtask fixtures --bench` first");
     }
-    let be = CpuBackend::new();
+    let cpu = CpuBackend::new();
+    let gpu = if o.backends.iter().any(|b| b == "wgpu") {
+        let g = tern::backend::wgpu::WgpuBackend::new()?;
+        eprintln!("{}", g.gpu.describe());
+        Some(g)
+    } else {
+        None
+    };
     let script = root.join("xtask/py/bench_llama.py");
     let mut rows = Vec::new();
     for f in &o.files {
@@ -103,8 +112,17 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 f.display()
             );
         }
-        eprintln!("tern cpu on {} ...", f.display());
-        let t = bench_tern(&be, f, o)?;
+        let mut t = Vec::new();
+        if o.backends.iter().any(|b| b == "cpu") {
+            eprintln!("tern cpu on {} ...", f.display());
+            t.push(bench_tern(&cpu, f, o)?);
+        }
+        if let Some(g) = &gpu {
+            eprintln!("tern wgpu on {} ...", f.display());
+            let mut r = bench_tern(g, f, o)?;
+            r["adapter"] = json!(g.gpu.info.name);
+            t.push(r);
+        }
         // Stock llama.cpp has no PQ2_0/PTQ1_0 kernels: it can only run the other files.
         let g = tern::gguf::Gguf::open(f)?;
         let llama_can = !g.tensors().iter().any(|t| {
@@ -128,11 +146,16 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         "file", "engine", "prefill t/s", "decode t/s", "pre ratio", "dec ratio"
     );
     for r in &rows {
-        for eng in ["tern", "llama"] {
-            let v = &r[eng];
-            if v.is_null() {
-                continue;
-            }
+        let mut runs: Vec<(String, &Value)> = r["tern"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| (format!("tern-{}", v["backend"].as_str().unwrap()), v))
+            .collect();
+        if !r["llama"].is_null() {
+            runs.push(("llama.cpp".to_string(), &r["llama"]));
+        }
+        for (eng, v) in runs {
             let (pr, dr) = match &anchor {
                 Some(a) => (
                     v["prefill_tps"].as_f64().unwrap() / a["prefill_tps"].as_f64().unwrap(),
@@ -141,7 +164,7 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 None => (f64::NAN, f64::NAN),
             };
             println!(
-                "{:<28} {:>8} {:>14.2} {:>14.2} {:>10.3} {:>10.3}",
+                "{:<28} {:>10} {:>14.2} {:>14.2} {:>10.3} {:>10.3}",
                 r["file"].as_str().unwrap(),
                 eng,
                 v["prefill_tps"].as_f64().unwrap(),

@@ -16,7 +16,7 @@ const USAGE: &str = "usage: cargo xtask <task>
   goldens               run stock llama.cpp (llama-cpp-python) and the NumPy reference on the
                         fixtures, writing fixtures/golden/ (needs TERN_PYTHON or python3 with
                         llama-cpp-python==0.3.36, gguf, numpy)
-  bench [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
+  bench [--backend cpu,wgpu] [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
                         tern vs stock llama.cpp on the bench files (default: fixtures/bench/*)
   bench --kernels       single-thread dot_row throughput per weight type";
 
@@ -77,6 +77,7 @@ fn main() -> Result<()> {
                 runs: 3,
                 llama: true,
                 python: python(),
+                backends: vec!["cpu".to_string()],
             };
             if args[1..].iter().any(|a| a == "--kernels") {
                 return bench::kernels();
@@ -94,6 +95,10 @@ fn main() -> Result<()> {
                     "--prompt" => o.prompt_tokens = num(it.next(), "--prompt")?,
                     "--decode" => o.decode_tokens = num(it.next(), "--decode")?,
                     "--runs" => o.runs = num(it.next(), "--runs")?,
+                    "--backend" => match it.next() {
+                        Some(list) => o.backends = list.split(',').map(str::to_string).collect(),
+                        None => bail!("--backend needs cpu, wgpu or cpu,wgpu\n{USAGE}"),
+                    },
                     f if !f.starts_with("--") => o.files.push(PathBuf::from(f)),
                     other => bail!("unknown option {other}\n{USAGE}"),
                 }

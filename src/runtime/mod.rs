@@ -1,0 +1,4 @@
+//! The serving runtime: sampling and speculative decoding over the model's per-sequence state.
+
+pub mod sampler;
+pub mod speculative;

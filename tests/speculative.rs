@@ -1,0 +1,85 @@
+//! MTP self-speculation keeps greedy output exact: drafting on or off gives the same tokens,
+//! an oracle drafter is fully accepted, a wrong draft is rolled back exactly.
+
+use std::path::Path;
+
+use tern::backend::cpu::CpuBackend;
+use tern::backend::Backend;
+use tern::model::Model;
+use tern::runtime::sampler::{Sampler, SamplerConfig};
+use tern::runtime::speculative::{Generator, SpecConfig};
+
+fn model<B: Backend>(be: &B, name: &str) -> Model<B> {
+    Model::open(be, Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)).unwrap()
+}
+
+const PROMPT: [u32; 7] = [72, 101, 108, 108, 111, 32, 119];
+
+fn greedy<B: Backend>(be: &B, m: &Model<B>, spec: Option<SpecConfig>, n: usize) -> (Vec<u32>, tern::runtime::speculative::SpecStats) {
+    let mut g = Generator::new(m, be, m.new_state(be), Sampler::new(SamplerConfig::greedy()), spec).unwrap();
+    let mut out = vec![g.prefill(&PROMPT).unwrap()];
+    while out.len() < n {
+        out.extend(g.step().unwrap());
+    }
+    out.truncate(n);
+    (out, g.stats.clone())
+}
+
+fn drafting_does_not_change_greedy_output<B: Backend>(be: &B) {
+    for file in ["tiny-f32.gguf", "tiny-q8_0.gguf", "tiny-pq2_0.gguf"] {
+        let m = model(be, file);
+        let (plain, _) = greedy(be, &m, None, 48);
+        for n_max in [1, 2, 3] {
+            let spec = SpecConfig { n_max, n_min: 0, p_min: 0.0 };
+            let (drafted, stats) = greedy(be, &m, Some(spec), 48);
+            println!(
+                "{file} [{}] n_max {n_max}: drafted {} accepted {} ({:.1}%), per position {:?}",
+                be.name(),
+                stats.drafted,
+                stats.accepted,
+                100.0 * stats.acceptance_rate(),
+                stats.accepted_per_pos
+            );
+            assert!(stats.drafted > 0, "drafting ran");
+            assert_eq!(plain, drafted, "{file}: n_max {n_max} changed the greedy tokens");
+        }
+    }
+}
+
+fn oracle_drafts_are_accepted_and_wrong_ones_rolled_back<B: Backend>(be: &B) {
+    let m = model(be, "tiny-f32.gguf");
+    let (reference, _) = greedy(be, &m, None, 40);
+    let mut g = Generator::new(&m, be, m.new_state(be), Sampler::new(SamplerConfig::greedy()), None).unwrap();
+    let mut out = vec![g.prefill(&PROMPT).unwrap()];
+    let mut round = 0;
+    while out.len() < 36 {
+        let k = 1 + round % 3;
+        let mut drafts: Vec<u32> = reference[out.len()..out.len() + k].to_vec();
+        if round % 4 == 3 {
+            // A wrong token in the second place: the first is kept, the rest rolled back.
+            if drafts.len() > 1 {
+                drafts[1] = (drafts[1] + 1) % m.cfg.n_vocab as u32;
+            }
+        }
+        let before = g.stats.accepted;
+        out.extend(g.verify(&drafts).unwrap());
+        let acc = g.stats.accepted - before;
+        if round % 4 == 3 && k > 1 {
+            assert_eq!(acc, 1, "round {round}");
+        } else {
+            assert_eq!(acc as usize, k, "round {round}: oracle draft not fully accepted");
+        }
+        round += 1;
+    }
+    assert_eq!(&out[..36], &reference[..36]);
+}
+
+#[test]
+fn cpu_drafting_does_not_change_greedy_output() {
+    drafting_does_not_change_greedy_output(&CpuBackend::new());
+}
+
+#[test]
+fn cpu_oracle_drafts() {
+    oracle_drafts_are_accepted_and_wrong_ones_rolled_back(&CpuBackend::new());
+}
