@@ -209,7 +209,9 @@ fn main() -> Result<()> {
                 seed,
             };
             sampler.validate().map_err(anyhow::Error::msg)?;
-            on_backend!(pick_backend(backend)?, |be| generate(&be, file, &prompt, n_predict, sampler))
+            on_backend!(pick_backend(backend)?, |be| generate(
+                &be, file, &prompt, n_predict, sampler
+            ))
         }
     }
 }

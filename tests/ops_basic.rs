@@ -17,9 +17,22 @@ fn rms_norm<B: Backend>(be: &B) {
         let x = rng.vec(rows * cols, 2.0);
         let w = rng.vec(cols, 1.0);
         let ws = weight("norm", GgmlType::F32, cols, 1, &w);
-        let ours = be.to_host(&be.rms_norm(&be.from_host(&x, rows, cols), &be.upload(&ws).unwrap(), 1e-6));
-        let want = reference.to_host(&reference.rms_norm(&reference.from_host(&x, rows, cols), &reference.upload(&ws).unwrap(), 1e-6));
-        assert_close(&format!("rms_norm {rows}x{cols} [{}]", be.name()), &ours, &want, TOL);
+        let ours = be.to_host(&be.rms_norm(
+            &be.from_host(&x, rows, cols),
+            &be.upload(&ws).unwrap(),
+            1e-6,
+        ));
+        let want = reference.to_host(&reference.rms_norm(
+            &reference.from_host(&x, rows, cols),
+            &reference.upload(&ws).unwrap(),
+            1e-6,
+        ));
+        assert_close(
+            &format!("rms_norm {rows}x{cols} [{}]", be.name()),
+            &ours,
+            &want,
+            TOL,
+        );
     }
 }
 
@@ -32,19 +45,47 @@ fn add_swiglu_concat<B: Backend>(be: &B) {
         let mut x = be.from_host(&a, rows, cols);
         be.add_assign(&mut x, &be.from_host(&b, rows, cols));
         let sum: Vec<f32> = a.iter().zip(&b).map(|(p, q)| p + q).collect();
-        assert_close(&format!("add {rows}x{cols} [{}]", be.name()), &be.to_host(&x), &sum, 0.0);
+        assert_close(
+            &format!("add {rows}x{cols} [{}]", be.name()),
+            &be.to_host(&x),
+            &sum,
+            0.0,
+        );
 
-        let ours = be.to_host(&be.swiglu(&be.from_host(&a, rows, cols), &be.from_host(&b, rows, cols)));
-        let want = reference.to_host(&reference.swiglu(&reference.from_host(&a, rows, cols), &reference.from_host(&b, rows, cols)));
-        assert_close(&format!("swiglu {rows}x{cols} [{}]", be.name()), &ours, &want, TOL);
+        let ours =
+            be.to_host(&be.swiglu(&be.from_host(&a, rows, cols), &be.from_host(&b, rows, cols)));
+        let want = reference.to_host(&reference.swiglu(
+            &reference.from_host(&a, rows, cols),
+            &reference.from_host(&b, rows, cols),
+        ));
+        assert_close(
+            &format!("swiglu {rows}x{cols} [{}]", be.name()),
+            &ours,
+            &want,
+            TOL,
+        );
 
         let c = rng.vec(rows * 3, 1.0);
-        let ours = be.to_host(&be.concat_cols(&be.from_host(&a, rows, cols), &be.from_host(&c, rows, 3)));
-        let want = reference.to_host(&reference.concat_cols(&reference.from_host(&a, rows, cols), &reference.from_host(&c, rows, 3)));
-        assert_close(&format!("concat {rows}x{cols}+3 [{}]", be.name()), &ours, &want, 0.0);
+        let ours =
+            be.to_host(&be.concat_cols(&be.from_host(&a, rows, cols), &be.from_host(&c, rows, 3)));
+        let want = reference.to_host(&reference.concat_cols(
+            &reference.from_host(&a, rows, cols),
+            &reference.from_host(&c, rows, 3),
+        ));
+        assert_close(
+            &format!("concat {rows}x{cols}+3 [{}]", be.name()),
+            &ours,
+            &want,
+            0.0,
+        );
 
         let ours = be.to_host(&be.rows(&be.from_host(&a, rows, cols), rows / 2, rows - rows / 2));
-        assert_close(&format!("rows [{}]", be.name()), &ours, &a[(rows / 2) * cols..], 0.0);
+        assert_close(
+            &format!("rows [{}]", be.name()),
+            &ours,
+            &a[(rows / 2) * cols..],
+            0.0,
+        );
     }
 }
 

@@ -10,13 +10,31 @@ use tern::runtime::sampler::{Sampler, SamplerConfig};
 use tern::runtime::speculative::{Generator, SpecConfig};
 
 fn model<B: Backend>(be: &B, name: &str) -> Model<B> {
-    Model::open(be, Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)).unwrap()
+    Model::open(
+        be,
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures")
+            .join(name),
+    )
+    .unwrap()
 }
 
 const PROMPT: [u32; 7] = [72, 101, 108, 108, 111, 32, 119];
 
-fn greedy<B: Backend>(be: &B, m: &Model<B>, spec: Option<SpecConfig>, n: usize) -> (Vec<u32>, tern::runtime::speculative::SpecStats) {
-    let mut g = Generator::new(m, be, m.new_state(be), Sampler::new(SamplerConfig::greedy()), spec).unwrap();
+fn greedy<B: Backend>(
+    be: &B,
+    m: &Model<B>,
+    spec: Option<SpecConfig>,
+    n: usize,
+) -> (Vec<u32>, tern::runtime::speculative::SpecStats) {
+    let mut g = Generator::new(
+        m,
+        be,
+        m.new_state(be),
+        Sampler::new(SamplerConfig::greedy()),
+        spec,
+    )
+    .unwrap();
     let mut out = vec![g.prefill(&PROMPT).unwrap()];
     while out.len() < n {
         out.extend(g.step().unwrap());
@@ -30,7 +48,11 @@ fn drafting_does_not_change_greedy_output<B: Backend>(be: &B) {
         let m = model(be, file);
         let (plain, _) = greedy(be, &m, None, 48);
         for n_max in [1, 2, 3] {
-            let spec = SpecConfig { n_max, n_min: 0, p_min: 0.0 };
+            let spec = SpecConfig {
+                n_max,
+                n_min: 0,
+                p_min: 0.0,
+            };
             let (drafted, stats) = greedy(be, &m, Some(spec), 48);
             println!(
                 "{file} [{}] n_max {n_max}: drafted {} accepted {} ({:.1}%), per position {:?}",
@@ -41,7 +63,10 @@ fn drafting_does_not_change_greedy_output<B: Backend>(be: &B) {
                 stats.accepted_per_pos
             );
             assert!(stats.drafted > 0, "drafting ran");
-            assert_eq!(plain, drafted, "{file}: n_max {n_max} changed the greedy tokens");
+            assert_eq!(
+                plain, drafted,
+                "{file}: n_max {n_max} changed the greedy tokens"
+            );
         }
     }
 }
@@ -49,7 +74,14 @@ fn drafting_does_not_change_greedy_output<B: Backend>(be: &B) {
 fn oracle_drafts_are_accepted_and_wrong_ones_rolled_back<B: Backend>(be: &B) {
     let m = model(be, "tiny-f32.gguf");
     let (reference, _) = greedy(be, &m, None, 40);
-    let mut g = Generator::new(&m, be, m.new_state(be), Sampler::new(SamplerConfig::greedy()), None).unwrap();
+    let mut g = Generator::new(
+        &m,
+        be,
+        m.new_state(be),
+        Sampler::new(SamplerConfig::greedy()),
+        None,
+    )
+    .unwrap();
     let mut out = vec![g.prefill(&PROMPT).unwrap()];
     let mut round = 0;
     while out.len() < 36 {
@@ -67,7 +99,10 @@ fn oracle_drafts_are_accepted_and_wrong_ones_rolled_back<B: Backend>(be: &B) {
         if round % 4 == 3 && k > 1 {
             assert_eq!(acc, 1, "round {round}");
         } else {
-            assert_eq!(acc as usize, k, "round {round}: oracle draft not fully accepted");
+            assert_eq!(
+                acc as usize, k,
+                "round {round}: oracle draft not fully accepted"
+            );
         }
         round += 1;
     }

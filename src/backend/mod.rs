@@ -97,7 +97,10 @@ pub struct KvTypes {
 
 impl Default for KvTypes {
     fn default() -> Self {
-        KvTypes { k: GgmlType::F32, v: GgmlType::F32 }
+        KvTypes {
+            k: GgmlType::F32,
+            v: GgmlType::F32,
+        }
     }
 }
 
@@ -105,7 +108,10 @@ impl KvTypes {
     /// The cache dtypes tern supports: f32, f16, bf16, q8_0, q4_0.
     pub fn check(&self) -> Result<(), BackendError> {
         for (which, t) in [("K", self.k), ("V", self.v)] {
-            if !matches!(t, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_0) {
+            if !matches!(
+                t,
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_0
+            ) {
                 return Err(BackendError::BadWeight {
                     name: format!("{which} cache"),
                     what: format!("type {t} is not a KV cache type (f32, f16, bf16, q8_0, q4_0)"),
@@ -163,6 +169,8 @@ pub trait Backend: Send + Sync {
     /// Copies rows `[start, start + n)` of `t`.
     fn rows(&self, t: &Self::T, start: usize, n: usize) -> Self::T;
     fn concat_cols(&self, a: &Self::T, b: &Self::T) -> Self::T;
+    /// Stacks row blocks (all with the same column count).
+    fn concat_rows(&self, parts: &[&Self::T]) -> Self::T;
 
     /// Row lookup; applies the inverse Hadamard rule when the table carries one.
     fn embed(&self, table: &Self::W, ids: &[u32]) -> Self::T;

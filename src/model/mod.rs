@@ -6,7 +6,7 @@ mod qwen35;
 pub mod weights;
 
 pub use config::Config;
-pub use qwen35::{MtpState, SeqState};
+pub use qwen35::{BatchItem, MtpState, SeqState};
 
 use std::path::Path;
 use std::sync::Arc;

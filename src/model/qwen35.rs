@@ -12,6 +12,14 @@ pub struct SeqState<B: Backend> {
     pub rs: Vec<Option<B::Rs>>,
 }
 
+/// One sequence's share of a batched step: its state, the tokens to run at `seq.pos..`, and
+/// whether it wants a logits row per token or only for the last.
+pub struct BatchItem<'s, B: Backend> {
+    pub seq: &'s mut SeqState<B>,
+    pub tokens: &'s [u32],
+    pub all_rows: bool,
+}
+
 /// The MTP head's own attention cache.
 pub struct MtpState<B: Backend> {
     pub pos: usize,
@@ -94,24 +102,6 @@ impl<B: Backend> Model<B> {
         be.matmul(&a.o, &o)
     }
 
-    fn gdn_mixer(&self, be: &B, layer: &Layer<B::W>, h: &B::T, rs: &mut B::Rs) -> B::T {
-        let Mixer::Gdn(g) = &layer.mixer else {
-            unreachable!("GDN layer with an attention mixer")
-        };
-        let mixed = be.matmul(&g.qkv, h);
-        let z = be.matmul(&g.gate, h);
-        let b = be.matmul(&g.beta, h);
-        let a = be.matmul(&g.alpha, h);
-        let w = GdnWeights {
-            conv: &g.conv,
-            dt_bias: &g.dt_bias,
-            ssm_a: &g.ssm_a,
-            norm: &g.norm,
-        };
-        let y = be.gdn(&self.cfg.gdn_params(), &mixed, &z, &b, &a, &w, rs);
-        be.matmul(&g.out, &y)
-    }
-
     fn ffn(&self, be: &B, layer: &Layer<B::W>, x: &mut B::T) {
         let h = be.rms_norm(x, &layer.post_attn_norm, self.cfg.eps);
         let gate = be.matmul(&layer.ffn_gate, &h);
@@ -129,36 +119,163 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         all_rows: bool,
     ) -> Result<Output<B::T>, ModelError> {
-        self.check_tokens(tokens)?;
-        assert!(!tokens.is_empty(), "forward of an empty batch");
-        let end = st.pos + tokens.len();
-        if end > self.cfg.context_length {
-            return Err(ModelError::ContextFull {
-                pos: end,
-                n_ctx: self.cfg.context_length,
-            });
+        let mut items = [BatchItem {
+            seq: st,
+            tokens,
+            all_rows,
+        }];
+        Ok(self
+            .forward_batch(be, &mut items)?
+            .pop()
+            .expect("one output per item"))
+    }
+
+    /// One step over several sequences at once: every matmul runs once over the rows of all
+    /// of them (so the weights are read once per step), attention and the recurrence run per
+    /// sequence on its own rows and state. Returns one output per item, in order.
+    pub fn forward_batch(
+        &self,
+        be: &B,
+        items: &mut [BatchItem<'_, B>],
+    ) -> Result<Vec<Output<B::T>>, ModelError> {
+        assert!(!items.is_empty(), "forward of an empty batch");
+        for it in items.iter() {
+            self.check_tokens(it.tokens)?;
+            assert!(!it.tokens.is_empty(), "a batch item without tokens");
+            let end = it.seq.pos + it.tokens.len();
+            if end > self.cfg.context_length {
+                return Err(ModelError::ContextFull {
+                    pos: end,
+                    n_ctx: self.cfg.context_length,
+                });
+            }
         }
         let eps = self.cfg.eps;
-        let mut x = be.embed(&self.w.token_embd, tokens);
+        let all_tokens: Vec<u32> = items
+            .iter()
+            .flat_map(|it| it.tokens.iter().copied())
+            .collect();
+        let mut offsets = Vec::with_capacity(items.len());
+        let mut off = 0;
+        for it in items.iter() {
+            offsets.push(off);
+            off += it.tokens.len();
+        }
+        let single = items.len() == 1;
+        // Each sequence's rows of a batch-wide tensor (no copy for a lone sequence).
+        let split = |t: &B::T, i: usize, n: usize| -> Option<B::T> {
+            (!single).then(|| be.rows(t, offsets[i], n))
+        };
+        let mut x = be.embed(&self.w.token_embd, &all_tokens);
         for (il, layer) in self.w.layers.iter().enumerate() {
             let h = be.rms_norm(&x, &layer.attn_norm, eps);
             let a = if self.cfg.is_recurrent(il) {
-                self.gdn_mixer(be, layer, &h, st.rs[il].as_mut().expect("recurrent state"))
+                let Mixer::Gdn(g) = &layer.mixer else {
+                    unreachable!("GDN layer with an attention mixer")
+                };
+                let mixed = be.matmul(&g.qkv, &h);
+                let z = be.matmul(&g.gate, &h);
+                let b = be.matmul(&g.beta, &h);
+                let a = be.matmul(&g.alpha, &h);
+                let w = GdnWeights {
+                    conv: &g.conv,
+                    dt_bias: &g.dt_bias,
+                    ssm_a: &g.ssm_a,
+                    norm: &g.norm,
+                };
+                let gp = self.cfg.gdn_params();
+                let mut outs = Vec::with_capacity(items.len());
+                for (i, it) in items.iter_mut().enumerate() {
+                    let n = it.tokens.len();
+                    let rs = it.seq.rs[il].as_mut().expect("recurrent state");
+                    outs.push(
+                        match (
+                            split(&mixed, i, n),
+                            split(&z, i, n),
+                            split(&b, i, n),
+                            split(&a, i, n),
+                        ) {
+                            (Some(m), Some(zz), Some(bb), Some(aa)) => {
+                                be.gdn(&gp, &m, &zz, &bb, &aa, &w, rs)
+                            }
+                            _ => be.gdn(&gp, &mixed, &z, &b, &a, &w, rs),
+                        },
+                    );
+                }
+                let y = if single {
+                    outs.pop().unwrap()
+                } else {
+                    be.concat_rows(&outs.iter().collect::<Vec<_>>())
+                };
+                be.matmul(&g.out, &y)
             } else {
-                self.attn_mixer(be, layer, &h, st.kv[il].as_mut().expect("kv cache"), st.pos)
+                let Mixer::Attn(at) = &layer.mixer else {
+                    unreachable!("attention layer with a GDN mixer")
+                };
+                let qg = be.matmul(&at.q, &h);
+                let k = be.matmul(&at.k, &h);
+                let v = be.matmul(&at.v, &h);
+                let ap = self.cfg.attn_params();
+                let mut outs = Vec::with_capacity(items.len());
+                for (i, it) in items.iter_mut().enumerate() {
+                    let n = it.tokens.len();
+                    let pos0 = it.seq.pos;
+                    let kv = it.seq.kv[il].as_mut().expect("kv cache");
+                    outs.push(match (split(&qg, i, n), split(&k, i, n), split(&v, i, n)) {
+                        (Some(q), Some(kk), Some(vv)) => {
+                            be.attention(&ap, &q, &kk, &vv, &at.q_norm, &at.k_norm, kv, pos0)
+                        }
+                        _ => be.attention(&ap, &qg, &k, &v, &at.q_norm, &at.k_norm, kv, pos0),
+                    });
+                }
+                let o = if single {
+                    outs.pop().unwrap()
+                } else {
+                    be.concat_rows(&outs.iter().collect::<Vec<_>>())
+                };
+                be.matmul(&at.o, &o)
             };
             be.add_assign(&mut x, &a);
             self.ffn(be, layer, &mut x);
         }
-        st.pos = end;
-        let x = if all_rows {
+        // The rows each sequence wants logits for, gathered into one output matmul.
+        let mut picked = Vec::with_capacity(items.len());
+        let mut counts = Vec::with_capacity(items.len());
+        for (i, it) in items.iter_mut().enumerate() {
+            let n = it.tokens.len();
+            it.seq.pos += n;
+            let (start, count) = if it.all_rows {
+                (offsets[i], n)
+            } else {
+                (offsets[i] + n - 1, 1)
+            };
+            counts.push(count);
+            if !(single && it.all_rows) {
+                picked.push(be.rows(&x, start, count));
+            }
+        }
+        let x = if picked.is_empty() {
             x
+        } else if picked.len() == 1 {
+            picked.pop().unwrap()
         } else {
-            be.rows(&x, tokens.len() - 1, 1)
+            be.concat_rows(&picked.iter().collect::<Vec<_>>())
         };
         let h = be.rms_norm(&x, &self.w.output_norm, eps);
         let logits = be.matmul(&self.w.output, &h);
-        Ok(Output { logits, h })
+        if single {
+            return Ok(vec![Output { logits, h }]);
+        }
+        let mut outs = Vec::with_capacity(items.len());
+        let mut at = 0;
+        for c in counts {
+            outs.push(Output {
+                logits: be.rows(&logits, at, c),
+                h: be.rows(&h, at, c),
+            });
+            at += c;
+        }
+        Ok(outs)
     }
 
     /// The MTP head (§6) over rows at positions `st.pos..`: row k reads token `tokens[k]` and

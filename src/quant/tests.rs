@@ -494,7 +494,6 @@ fn dot_row_is_exact_on_small_integers() {
     }
 }
 
-
 // ---------------------------------------------------------------- Hadamard
 
 fn sylvester(n: usize) -> Vec<Vec<f32>> {

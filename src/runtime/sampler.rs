@@ -39,7 +39,10 @@ impl Default for SamplerConfig {
 impl SamplerConfig {
     /// Greedy decoding.
     pub fn greedy() -> Self {
-        SamplerConfig { temperature: 0.0, ..Default::default() }
+        SamplerConfig {
+            temperature: 0.0,
+            ..Default::default()
+        }
     }
 
     /// llama.cpp's defaults overridden by the model's own `general.sampling.*` keys.
@@ -95,7 +98,11 @@ pub struct Sampler {
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Sampler {
         let state = cfg.seed ^ 0x9E37_79B9_7F4A_7C15;
-        Sampler { cfg, state, history: Vec::new() }
+        Sampler {
+            cfg,
+            state,
+            history: Vec::new(),
+        }
     }
 
     pub fn config(&self) -> &SamplerConfig {
@@ -148,7 +155,11 @@ impl Sampler {
             return argmax(&logits);
         }
         let mut idx: Vec<usize> = (0..logits.len()).collect();
-        let k = if self.cfg.top_k > 0 { self.cfg.top_k.min(idx.len()) } else { idx.len() };
+        let k = if self.cfg.top_k > 0 {
+            self.cfg.top_k.min(idx.len())
+        } else {
+            idx.len()
+        };
         if k < idx.len() {
             idx.select_nth_unstable_by(k - 1, |&a, &b| logits[b].total_cmp(&logits[a]));
             idx.truncate(k);
@@ -156,7 +167,10 @@ impl Sampler {
         idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         // top-p and min-p act on the distribution before temperature, as in llama.cpp's chain.
         let m = logits[idx[0]];
-        let mut p: Vec<f64> = idx.iter().map(|&i| ((logits[i] - m) as f64).exp()).collect();
+        let mut p: Vec<f64> = idx
+            .iter()
+            .map(|&i| ((logits[i] - m) as f64).exp())
+            .collect();
         let total: f64 = p.iter().sum();
         p.iter_mut().for_each(|v| *v /= total);
         let mut keep = p.len();
@@ -176,7 +190,10 @@ impl Sampler {
         }
         idx.truncate(keep);
         let t = self.cfg.temperature as f64;
-        let mut w: Vec<f64> = idx.iter().map(|&i| (((logits[i] - m) as f64) / t).exp()).collect();
+        let mut w: Vec<f64> = idx
+            .iter()
+            .map(|&i| (((logits[i] - m) as f64) / t).exp())
+            .collect();
         let total: f64 = w.iter().sum();
         w.iter_mut().for_each(|v| *v /= total);
         let r = self.next_f64();
@@ -214,7 +231,13 @@ mod tests {
     use super::*;
 
     fn cfg(temperature: f32) -> SamplerConfig {
-        SamplerConfig { temperature, top_k: 0, top_p: 1.0, min_p: 0.0, ..Default::default() }
+        SamplerConfig {
+            temperature,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            ..Default::default()
+        }
     }
 
     fn draws(c: SamplerConfig, logits: &[f32], n: usize) -> Vec<u32> {
@@ -224,15 +247,45 @@ mod tests {
 
     #[test]
     fn greedy_takes_the_argmax_with_ties_low() {
-        assert_eq!(Sampler::new(SamplerConfig::greedy()).sample(&[0.1, 2.0, -1.0, 2.0]), 1);
+        assert_eq!(
+            Sampler::new(SamplerConfig::greedy()).sample(&[0.1, 2.0, -1.0, 2.0]),
+            1
+        );
     }
 
     #[test]
     fn seeded_draws_repeat_and_explore() {
         let logits = [0.1f32, 2.0, -1.0, 1.9];
-        let a = draws(SamplerConfig { seed: 7, ..cfg(1.0) }, &logits, 200);
-        assert_eq!(a, draws(SamplerConfig { seed: 7, ..cfg(1.0) }, &logits, 200));
-        assert_ne!(a, draws(SamplerConfig { seed: 8, ..cfg(1.0) }, &logits, 200));
+        let a = draws(
+            SamplerConfig {
+                seed: 7,
+                ..cfg(1.0)
+            },
+            &logits,
+            200,
+        );
+        assert_eq!(
+            a,
+            draws(
+                SamplerConfig {
+                    seed: 7,
+                    ..cfg(1.0)
+                },
+                &logits,
+                200
+            )
+        );
+        assert_ne!(
+            a,
+            draws(
+                SamplerConfig {
+                    seed: 8,
+                    ..cfg(1.0)
+                },
+                &logits,
+                200
+            )
+        );
         for t in 0..4 {
             assert!(a.contains(&t), "temperature 1 reaches token {t}");
         }
@@ -242,7 +295,14 @@ mod tests {
     fn frequencies_follow_the_softmax() {
         let logits = [0.0f32, (2.0f32).ln(), (3.0f32).ln()];
         let n = 30_000;
-        let d = draws(SamplerConfig { seed: 3, ..cfg(1.0) }, &logits, n);
+        let d = draws(
+            SamplerConfig {
+                seed: 3,
+                ..cfg(1.0)
+            },
+            &logits,
+            n,
+        );
         for (t, want) in [(0, 1.0 / 6.0), (1, 2.0 / 6.0), (2, 3.0 / 6.0)] {
             let got = d.iter().filter(|&&x| x == t).count() as f64 / n as f64;
             assert!((got - want).abs() < 0.015, "token {t}: {got} vs {want}");
@@ -252,29 +312,73 @@ mod tests {
     #[test]
     fn top_k_top_p_min_p_cut_the_tail() {
         let logits = [3.0f32, 2.9, 0.0, -5.0, 2.8];
-        assert!(draws(SamplerConfig { top_k: 1, ..cfg(1.0) }, &logits, 50).iter().all(|&t| t == 0));
-        let d = draws(SamplerConfig { top_k: 2, ..cfg(5.0) }, &logits, 300);
+        assert!(draws(
+            SamplerConfig {
+                top_k: 1,
+                ..cfg(1.0)
+            },
+            &logits,
+            50
+        )
+        .iter()
+        .all(|&t| t == 0));
+        let d = draws(
+            SamplerConfig {
+                top_k: 2,
+                ..cfg(5.0)
+            },
+            &logits,
+            300,
+        );
         assert!(d.iter().all(|&t| t == 0 || t == 1) && d.contains(&1));
         // p = softmax: tokens 0,1,4 hold ~97%; top_p 0.5 keeps 0 and 1.
-        let d = draws(SamplerConfig { top_p: 0.5, ..cfg(3.0) }, &logits, 300);
+        let d = draws(
+            SamplerConfig {
+                top_p: 0.5,
+                ..cfg(3.0)
+            },
+            &logits,
+            300,
+        );
         assert!(d.iter().all(|&t| t == 0 || t == 1), "{d:?}");
-        let d = draws(SamplerConfig { min_p: 0.5, ..cfg(10.0) }, &logits, 300);
+        let d = draws(
+            SamplerConfig {
+                min_p: 0.5,
+                ..cfg(10.0)
+            },
+            &logits,
+            300,
+        );
         assert!(d.iter().all(|&t| [0, 1, 4].contains(&t)) && d.contains(&4));
     }
 
     #[test]
     fn presence_and_frequency_penalties() {
         let logits = [1.0f32, 0.9, 0.0];
-        let mut s = Sampler::new(SamplerConfig { presence_penalty: 0.5, ..SamplerConfig::greedy() });
+        let mut s = Sampler::new(SamplerConfig {
+            presence_penalty: 0.5,
+            ..SamplerConfig::greedy()
+        });
         assert_eq!(s.sample(&logits), 0);
         s.accept(0);
-        assert_eq!(s.sample(&logits), 1, "presence penalty moves off a seen token");
-        let mut s = Sampler::new(SamplerConfig { frequency_penalty: 0.06, ..SamplerConfig::greedy() });
+        assert_eq!(
+            s.sample(&logits),
+            1,
+            "presence penalty moves off a seen token"
+        );
+        let mut s = Sampler::new(SamplerConfig {
+            frequency_penalty: 0.06,
+            ..SamplerConfig::greedy()
+        });
         s.accept(0);
         assert_eq!(s.sample(&logits), 0, "one occurrence costs 0.06 < 0.1");
         s.accept(0);
         assert_eq!(s.sample(&logits), 1, "two cost 0.12");
-        let mut s = Sampler::new(SamplerConfig { presence_penalty: 2.0, penalty_last_n: 1, ..SamplerConfig::greedy() });
+        let mut s = Sampler::new(SamplerConfig {
+            presence_penalty: 2.0,
+            penalty_last_n: 1,
+            ..SamplerConfig::greedy()
+        });
         s.accept(0);
         s.accept(1);
         assert_eq!(s.sample(&logits), 0, "token 0 left the window");
@@ -282,8 +386,20 @@ mod tests {
 
     #[test]
     fn validation_names_the_field() {
-        assert!(SamplerConfig { top_p: 1.5, ..Default::default() }.validate().unwrap_err().contains("top_p"));
-        assert!(SamplerConfig { temperature: -1.0, ..Default::default() }.validate().unwrap_err().contains("temperature"));
+        assert!(SamplerConfig {
+            top_p: 1.5,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .contains("top_p"));
+        assert!(SamplerConfig {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .unwrap_err()
+        .contains("temperature"));
         assert!(SamplerConfig::default().validate().is_ok());
     }
 

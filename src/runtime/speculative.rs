@@ -20,7 +20,11 @@ pub struct SpecConfig {
 
 impl Default for SpecConfig {
     fn default() -> Self {
-        SpecConfig { n_max: 3, n_min: 0, p_min: 0.0 }
+        SpecConfig {
+            n_max: 3,
+            n_min: 0,
+            p_min: 0.0,
+        }
     }
 }
 
@@ -85,7 +89,17 @@ impl<'a, B: Backend> Generator<'a, B> {
             .iter()
             .map(|r| r.as_ref().map(|_| be.new_recurrent(&gp)))
             .collect();
-        Ok(Generator { model, be, seq, checkpoint, mtp, spec, sampler, last: None, stats: SpecStats::default() })
+        Ok(Generator {
+            model,
+            be,
+            seq,
+            checkpoint,
+            mtp,
+            spec,
+            sampler,
+            last: None,
+            stats: SpecStats::default(),
+        })
     }
 
     fn sample_row(&mut self, logits: &B::T, row: usize, n_rows: usize) -> u32 {
@@ -106,7 +120,9 @@ impl<'a, B: Backend> Generator<'a, B> {
     /// Fills the MTP cache over tokens just accepted by the trunk: row k reads token k and the
     /// trunk's h of the position before it.
     fn mtp_process(&mut self, tokens: &[u32], h_rows: &[f32]) -> Result<(), ModelError> {
-        let Some(m) = self.mtp.as_mut() else { return Ok(()) };
+        let Some(m) = self.mtp.as_mut() else {
+            return Ok(());
+        };
         let ne = self.model.cfg.n_embd;
         let mut hp = Vec::with_capacity(tokens.len() * ne);
         hp.extend_from_slice(&m.pending_h);
@@ -144,7 +160,9 @@ impl<'a, B: Backend> Generator<'a, B> {
     /// The MTP head's greedy draft from the last sampled token (its cache is left as found).
     fn draft(&mut self, spec: &SpecConfig) -> Result<Vec<u32>, ModelError> {
         let last = self.last.expect("prefill before step");
-        let Some(m) = self.mtp.as_mut() else { return Ok(Vec::new()) };
+        let Some(m) = self.mtp.as_mut() else {
+            return Ok(Vec::new());
+        };
         let start = m.state.pos;
         let ne = self.model.cfg.n_embd;
         let mut tok = last;
@@ -188,7 +206,9 @@ impl<'a, B: Backend> Generator<'a, B> {
             }
         }
         let want_rows = !drafts.is_empty() || self.mtp.is_some();
-        let out = self.model.forward(self.be, &mut self.seq, &batch, want_rows)?;
+        let out = self
+            .model
+            .forward(self.be, &mut self.seq, &batch, want_rows)?;
         let n_rows = if want_rows { batch.len() } else { 1 };
         let mut produced = Vec::new();
         let mut accepted = 0;

@@ -42,23 +42,42 @@ pub fn weight(name: &str, ty: GgmlType, ne0: usize, rows: usize, data: &[f32]) -
     for r in 0..rows {
         bytes.extend(tern::quant::quantize_row(ty, &data[r * ne0..(r + 1) * ne0]).unwrap());
     }
-    let dims: Vec<u64> = if rows == 1 { vec![ne0 as u64] } else { vec![ne0 as u64, rows as u64] };
+    let dims: Vec<u64> = if rows == 1 {
+        vec![ne0 as u64]
+    } else {
+        vec![ne0 as u64, rows as u64]
+    };
     let mut w = GgufWriter::new();
     w.add_tensor(name, &dims, ty, bytes);
     let file = Arc::new(Gguf::from_bytes(format!("{name}.gguf"), w.to_bytes()).unwrap());
     let info = file.tensor(name).unwrap().clone();
-    WeightSource { file, info, fold: None, inverse: None }
+    WeightSource {
+        file,
+        info,
+        fold: None,
+        inverse: None,
+    }
 }
 
-pub fn with_fold(mut w: WeightSource, h: &Arc<HadamardConfig>, perm: Option<tern::quant::hadamard::GdnPermutation>) -> WeightSource {
-    w.fold = Some(Fold { hadamard: h.clone(), perm });
+pub fn with_fold(
+    mut w: WeightSource,
+    h: &Arc<HadamardConfig>,
+    perm: Option<tern::quant::hadamard::GdnPermutation>,
+) -> WeightSource {
+    w.fold = Some(Fold {
+        hadamard: h.clone(),
+        perm,
+    });
     w
 }
 
 /// Asserts NMSE(ours, reference) <= tol, printing the figure either way.
 pub fn assert_close(what: &str, ours: &[f32], reference: &[f32], tol: f64) {
     assert_eq!(ours.len(), reference.len(), "{what}: length");
-    assert!(ours.iter().all(|v| v.is_finite()), "{what}: non-finite output");
+    assert!(
+        ours.iter().all(|v| v.is_finite()),
+        "{what}: non-finite output"
+    );
     let e = nmse(ours, reference);
     println!("{what}: NMSE {e:.3e} (tolerance {tol:e})");
     assert!(e <= tol, "{what}: NMSE {e:e} > {tol:e}");

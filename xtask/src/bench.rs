@@ -196,8 +196,12 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
 pub fn kernels() -> Result<()> {
     use tern::tensor::GgmlType::*;
     let (rows, cols) = (16384usize, 4096usize);
-    let x: Vec<f32> = (0..cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
-    let src: Vec<f32> = (0..cols).map(|i| ((i * 104729) % 2000) as f32 / 1000.0 - 1.0).collect();
+    let x: Vec<f32> = (0..cols)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let src: Vec<f32> = (0..cols)
+        .map(|i| ((i * 104729) % 2000) as f32 / 1000.0 - 1.0)
+        .collect();
     println!("{:<8} {:>12} {:>16}", "type", "GB/s", "G elements/s");
     for ty in [F32, F16, BF16, Q8_0, Q4_0, PQ2_0, PTQ1_0] {
         let row = tern::quant::quantize_row(ty, &src)?;

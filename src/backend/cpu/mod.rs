@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use rayon::prelude::*;
 
-use super::{AttnParams, Backend, BackendError, Fold, GdnParams, GdnWeights, KvTypes, WeightSource};
+use super::{
+    AttnParams, Backend, BackendError, Fold, GdnParams, GdnWeights, KvTypes, WeightSource,
+};
 use crate::quant::{self, hadamard::HadamardConfig};
 use crate::tensor::GgmlType;
 
@@ -248,6 +250,17 @@ impl Backend for CpuBackend {
         out
     }
 
+    fn concat_rows(&self, parts: &[&Tensor]) -> Tensor {
+        let cols = parts[0].cols;
+        let mut data = Vec::with_capacity(parts.iter().map(|p| p.data.len()).sum());
+        for p in parts {
+            assert_eq!(p.cols, cols, "concat_rows: column counts differ");
+            data.extend_from_slice(&p.data);
+        }
+        let rows = data.len() / cols.max(1);
+        Tensor { data, rows, cols }
+    }
+
     fn embed(&self, table: &Weight, ids: &[u32]) -> Tensor {
         let mut out = Tensor::zeros(ids.len(), table.ne0);
         out.data
@@ -373,7 +386,12 @@ impl Backend for CpuBackend {
                 });
             }
         }
-        Ok(Kv { k: Vec::new(), v: Vec::new(), width, types })
+        Ok(Kv {
+            k: Vec::new(),
+            v: Vec::new(),
+            width,
+            types,
+        })
     }
 
     fn kv_len(&self, kv: &Kv) -> usize {

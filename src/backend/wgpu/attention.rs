@@ -1,31 +1,438 @@
-//! Gated attention over the KV cache, and argmax (being written).
+//! Gated attention over the KV cache, argmax and top-k.
+//!
+//! One `attention` call records four kinds of dispatch:
+//! 1. `attn_prep`: per (token, head), q/k RMSNorm times their weights and partial NEOX RoPE
+//!    (IMROPE sectors); q to a scratch `[rows, n_head*hd]`, k to a scratch `[rows, width]`.
+//! 2. `kv_store` (twice): the k scratch and the raw v rows into the cache at `pos0..`, in the
+//!    cache dtype, as ggml blocks.
+//! 3. `attn_split`: per (row, query head, chunk of positions), online softmax over the chunk with
+//!    K/V dequantized in the kernel; writes (max, sum, o) partials.
+//! 4. `attn_combine`: per (row, query head), merges the chunks and applies the sigmoid gate.
+//!
+//! Chunking splits long caches across workgroups in decode (split-K), and collapses to one
+//! chunk when a prefill batch already gives enough workgroups.
 
-use super::{Tensor, Weight, WgpuBackend};
+use super::basic::{new_tensor, params};
+use super::gpu::groups_2d;
+use super::{Bind, PBuf, Tensor, Weight, WgpuBackend};
 use crate::backend::{AttnParams, BackendError, KvTypes};
+use crate::tensor::GgmlType;
 
-pub struct Kv {
-    pub len: usize,
+const ATTN_PREP: &str = include_str!("../../../shaders/attn_prep.wgsl");
+const KV_STORE: &str = include_str!("../../../shaders/kv_store.wgsl");
+const ATTN_SPLIT: &str = include_str!("../../../shaders/attn_split.wgsl");
+const ATTN_COMBINE: &str = include_str!("../../../shaders/attn_combine.wgsl");
+const ARGMAX: &str = include_str!("../../../shaders/argmax.wgsl");
+const TOPK: &str = include_str!("../../../shaders/topk.wgsl");
+
+/// Largest head_dim the kernels hold in workgroup memory (`MAX_HD` in the shaders).
+const MAX_HD: usize = 512;
+/// Positions scored per tile in `attn_split` (its workgroup size); chunks are multiples of it.
+const TILE: usize = 64;
+/// Workgroups `attn_split` aims for before it stops splitting the positions.
+const TARGET_GROUPS: usize = 512;
+/// Most chunks per (row, head) (`MAX_CHUNKS` in attn_combine).
+const MAX_CHUNKS: usize = 256;
+/// Positions a new cache holds before it first grows.
+const INITIAL_CAPACITY: usize = 256;
+/// Largest k of `topk_rows` (`KMAX` in topk.wgsl).
+pub const TOPK_MAX: usize = 64;
+/// Items one top-k invocation scans per pass.
+const TOPK_SEGMENT: usize = 1024;
+
+/// The shaders' dtype codes.
+fn type_code(ty: GgmlType) -> u32 {
+    match ty {
+        GgmlType::F32 => 0,
+        GgmlType::F16 => 1,
+        GgmlType::BF16 => 2,
+        GgmlType::Q8_0 => 3,
+        GgmlType::Q4_0 => 4,
+        _ => unreachable!("KvTypes::check admits only cache dtypes"),
+    }
 }
 
-pub fn new_kv(_be: &WgpuBackend, _p: &AttnParams, _types: KvTypes) -> Result<Kv, BackendError> {
-    unimplemented!("wgpu kv")
+/// Replaces `const NAME: u32 = 0u;` in a shader by the given value.
+fn specialize(src: &str, consts: &[(&str, u32)]) -> String {
+    let mut s = src.to_string();
+    for (name, v) in consts {
+        let from = format!("const {name}: u32 = 0u;");
+        assert!(s.contains(&from), "shader has no `{from}`");
+        s = s.replace(&from, &format!("const {name}: u32 = {v}u;"));
+    }
+    s
+}
+
+/// K or V of one layer's cache: rows of `width` elements as ggml rows of `ty`, each padded to
+/// `row_words` u32 words.
+pub struct KvBuf {
+    pub buf: PBuf,
+    pub ty: GgmlType,
+    pub row_words: usize,
+}
+
+impl KvBuf {
+    fn bind(&self, capacity: usize) -> Bind<'_> {
+        Bind {
+            buf: self.buf.buffer(),
+            offset: 0,
+            size: Some((capacity * self.row_words * 4) as u64),
+        }
+    }
+}
+
+/// One layer's attention cache on the device. Positions `>= len` are stale (truncated) and are
+/// overwritten by the next append.
+pub struct Kv {
+    pub len: usize,
+    /// Positions the buffers hold.
+    pub capacity: usize,
+    pub width: usize,
+    pub k: KvBuf,
+    pub v: KvBuf,
+}
+
+impl Kv {
+    /// Bytes of one stored row of K and of V.
+    pub fn row_bytes(&self) -> (usize, usize) {
+        (self.k.row_words * 4, self.v.row_words * 4)
+    }
+}
+
+fn row_words(ty: GgmlType, width: usize) -> usize {
+    (ty.row_bytes(width as u64).expect("whole blocks") as usize).div_ceil(4)
+}
+
+/// Most positions a cache can hold: one binding of K or V must fit the adapter's limit.
+fn max_capacity(be: &WgpuBackend, kv: &Kv) -> usize {
+    let l = &be.gpu.limits;
+    let limit = (l.max_storage_buffer_binding_size as u64).min(l.max_buffer_size) as usize;
+    limit / (kv.k.row_words.max(kv.v.row_words) * 4)
+}
+
+fn alloc_rows(be: &WgpuBackend, row_words: usize, capacity: usize) -> PBuf {
+    be.gpu.alloc((capacity * row_words * 4) as u64)
+}
+
+pub fn new_kv(be: &WgpuBackend, p: &AttnParams, types: KvTypes) -> Result<Kv, BackendError> {
+    types.check()?;
+    let bad = |what: String| BackendError::BadWeight {
+        name: "KV cache".into(),
+        what,
+    };
+    let hd = p.head_dim;
+    let width = p.n_head_kv * hd;
+    for t in [types.k, types.v] {
+        if width % t.block_size() != 0 {
+            return Err(bad(format!(
+                "row width {width} is not a multiple of the {t} block size"
+            )));
+        }
+        // The kernels read whole blocks (and whole f16 pairs) per head.
+        if hd % t.block_size() != 0 || hd % 2 != 0 {
+            return Err(bad(format!("head_dim {hd} does not hold whole {t} blocks")));
+        }
+    }
+    if hd == 0 || hd > MAX_HD || p.n_rot > hd || p.n_rot % 2 != 0 {
+        return Err(bad(format!(
+            "head_dim {hd} / n_rot {} outside the kernels' range (even, head_dim <= {MAX_HD})",
+            p.n_rot
+        )));
+    }
+    if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 {
+        return Err(bad(format!(
+            "{} query heads do not group over {} kv heads",
+            p.n_head, p.n_head_kv
+        )));
+    }
+    let (kw, vw) = (row_words(types.k, width), row_words(types.v, width));
+    let capacity = INITIAL_CAPACITY;
+    Ok(Kv {
+        len: 0,
+        capacity,
+        width,
+        k: KvBuf {
+            buf: alloc_rows(be, kw, capacity),
+            ty: types.k,
+            row_words: kw,
+        },
+        v: KvBuf {
+            buf: alloc_rows(be, vw, capacity),
+            ty: types.v,
+            row_words: vw,
+        },
+    })
+}
+
+/// Grows the buffers to hold `needed` positions, keeping the first `len` rows.
+fn reserve(be: &WgpuBackend, kv: &mut Kv, needed: usize) {
+    if needed <= kv.capacity {
+        return;
+    }
+    let max = max_capacity(be, kv);
+    assert!(
+        needed <= max,
+        "KV cache of {needed} positions exceeds the adapter's storage binding limit ({max} positions)"
+    );
+    let capacity = needed.max(kv.capacity * 2).min(max);
+    for c in [&mut kv.k, &mut kv.v] {
+        let buf = alloc_rows(be, c.row_words, capacity);
+        be.gpu.copy(
+            c.buf.buffer(),
+            0,
+            buf.buffer(),
+            0,
+            (kv.len * c.row_words * 4) as u64,
+        );
+        c.buf = buf;
+    }
+    kv.capacity = capacity;
+}
+
+/// Writes `src` (`[rows, width]` f32) into cache rows `row0..` in the cache's dtype.
+fn store(be: &WgpuBackend, c: &KvBuf, capacity: usize, src: &Tensor, row0: usize) {
+    let width = src.cols;
+    let units = match c.ty {
+        GgmlType::F32 => width,
+        GgmlType::F16 | GgmlType::BF16 => width.div_ceil(2),
+        _ => (width / 32).div_ceil(2),
+    };
+    let code = type_code(c.ty);
+    let pipe = be.gpu.pipeline(
+        &format!("kv_store_{code}"),
+        &specialize(KV_STORE, &[("KIND", code)]),
+    );
+    let n = src.rows * units;
+    be.gpu.dispatch(
+        &pipe,
+        &params(&[
+            src.rows as u32,
+            width as u32,
+            c.row_words as u32,
+            row0 as u32,
+            units as u32,
+        ]),
+        &[src.bind(), c.bind(capacity)],
+        groups_2d(n.div_ceil(64) as u32),
+    );
+}
+
+/// (chunks, positions per chunk) for `rows` query rows of `n_head` heads over at most
+/// `n_ctx` positions.
+fn plan_chunks(rows: usize, n_head: usize, n_ctx: usize) -> (usize, usize) {
+    let want = TARGET_GROUPS.div_ceil(rows * n_head);
+    let n = want.clamp(1, n_ctx.div_ceil(TILE)).min(MAX_CHUNKS);
+    let len = n_ctx.div_ceil(n).div_ceil(TILE) * TILE;
+    (n_ctx.div_ceil(len), len)
 }
 
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
-    _be: &WgpuBackend,
-    _p: &AttnParams,
-    _qg: &Tensor,
-    _k: &Tensor,
-    _v: &Tensor,
-    _q_norm: &Weight,
-    _k_norm: &Weight,
-    _kv: &mut Kv,
-    _pos0: usize,
+    be: &WgpuBackend,
+    p: &AttnParams,
+    qg: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    q_norm: &Weight,
+    k_norm: &Weight,
+    kv: &mut Kv,
+    pos0: usize,
 ) -> Tensor {
-    unimplemented!("wgpu attention")
+    let hd = p.head_dim;
+    let rows = qg.rows;
+    let width = p.n_head_kv * hd;
+    assert_eq!(qg.cols, 2 * p.n_head * hd, "attention: qg width");
+    assert_eq!((k.rows, k.cols), (rows, width), "attention: k shape");
+    assert_eq!((v.rows, v.cols), (rows, width), "attention: v shape");
+    assert_eq!(kv.width, width, "attention: cache row width");
+    assert_eq!(
+        kv.len, pos0,
+        "attention: cache holds {} positions, batch starts at {pos0}",
+        kv.len
+    );
+    assert_eq!(q_norm.ne0 * q_norm.rows, hd, "attention: q_norm width");
+    assert_eq!(k_norm.ne0 * k_norm.rows, hd, "attention: k_norm width");
+    let out = new_tensor(be, rows, p.n_head * hd);
+    if rows == 0 {
+        return out;
+    }
+    reserve(be, kv, pos0 + rows);
+    let gpu = &be.gpu;
+
+    // 1. q/k norm and RoPE.
+    let q = new_tensor(be, rows, p.n_head * hd);
+    let kr = new_tensor(be, rows, width);
+    let theta_scale = p.rope_base.powf(-2.0 / p.n_rot as f32);
+    let s = p.rope_sections;
+    let pipe = gpu.pipeline("attn_prep", ATTN_PREP);
+    gpu.dispatch(
+        &pipe,
+        &params(&[
+            rows as u32,
+            p.n_head as u32,
+            p.n_head_kv as u32,
+            hd as u32,
+            p.n_rot as u32,
+            pos0 as u32,
+            p.eps.to_bits(),
+            theta_scale.to_bits(),
+            s[0] as u32,
+            s[1] as u32,
+            s[2] as u32,
+            s[3] as u32,
+        ]),
+        &[
+            qg.bind(),
+            k.bind(),
+            dense(q_norm),
+            dense(k_norm),
+            q.bind(),
+            kr.bind(),
+        ],
+        groups_2d((rows * (p.n_head + p.n_head_kv)) as u32),
+    );
+
+    // 2. Append to the cache.
+    store(be, &kv.k, kv.capacity, &kr, pos0);
+    store(be, &kv.v, kv.capacity, v, pos0);
+    kv.len = pos0 + rows;
+
+    // 3. Partials per chunk of positions.
+    let n_ctx = pos0 + rows;
+    let (n_chunks, chunk_len) = plan_chunks(rows, p.n_head, n_ctx);
+    let groups = rows * p.n_head * n_chunks;
+    let part = gpu.alloc((groups * (hd + 2) * 4) as u64);
+    let (kc, vc) = (type_code(kv.k.ty), type_code(kv.v.ty));
+    let pipe = gpu.pipeline(
+        &format!("attn_split_{kc}_{vc}"),
+        &specialize(ATTN_SPLIT, &[("K_TYPE", kc), ("V_TYPE", vc)]),
+    );
+    gpu.dispatch(
+        &pipe,
+        &params(&[
+            rows as u32,
+            p.n_head as u32,
+            hd as u32,
+            (p.n_head / p.n_head_kv) as u32,
+            pos0 as u32,
+            n_chunks as u32,
+            chunk_len as u32,
+            kv.k.row_words as u32,
+            kv.v.row_words as u32,
+            p.scale.to_bits(),
+        ]),
+        &[
+            q.bind(),
+            kv.k.bind(kv.capacity),
+            kv.v.bind(kv.capacity),
+            (&part).into(),
+        ],
+        groups_2d(groups as u32),
+    );
+
+    // 4. Merge and gate.
+    let pipe = gpu.pipeline("attn_combine", ATTN_COMBINE);
+    gpu.dispatch(
+        &pipe,
+        &params(&[rows as u32, p.n_head as u32, hd as u32, n_chunks as u32]),
+        &[(&part).into(), qg.bind(), out.bind()],
+        groups_2d((rows * p.n_head) as u32),
+    );
+    out
 }
 
-pub fn argmax_rows(_be: &WgpuBackend, _x: &Tensor) -> Vec<u32> {
-    unimplemented!("wgpu argmax")
+fn dense(w: &Weight) -> Bind<'_> {
+    w.dense().into()
+}
+
+fn words(b: &[u8]) -> Vec<u32> {
+    b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+/// Per-row argmax on the device (ties to the lowest index); only the ids come back.
+pub fn argmax_rows(be: &WgpuBackend, x: &Tensor) -> Vec<u32> {
+    if x.rows == 0 {
+        return Vec::new();
+    }
+    assert!(x.cols > 0, "argmax of empty rows");
+    let ids = be.gpu.alloc((x.rows * 4) as u64);
+    let pipe = be.gpu.pipeline("argmax", ARGMAX);
+    be.gpu.dispatch(
+        &pipe,
+        &params(&[x.rows as u32, x.cols as u32]),
+        &[x.bind(), (&ids).into()],
+        groups_2d(x.rows as u32),
+    );
+    words(&be.gpu.read(ids.buffer(), 0, (x.rows * 4) as u64))
+}
+
+/// The `k` largest entries of every row, sorted descending (equal values: lower index first),
+/// as `rows * k` ids and values. `1 <= k <= min(64, cols)`.
+pub fn topk_rows(be: &WgpuBackend, x: &Tensor, k: usize) -> (Vec<u32>, Vec<f32>) {
+    assert!(
+        (1..=TOPK_MAX.min(x.cols)).contains(&k),
+        "topk: k = {k} outside 1..={}",
+        TOPK_MAX.min(x.cols)
+    );
+    if x.rows == 0 {
+        return (Vec::new(), Vec::new());
+    }
+    let gpu = &be.gpu;
+    let pipe = gpu.pipeline("topk", TOPK);
+    let rows = x.rows;
+    // Stands in for the ids of the first pass, which are the columns.
+    let no_ids = gpu.alloc(4);
+    let mut cur: Option<(PBuf, PBuf)> = None;
+    let mut n = x.cols;
+    loop {
+        let g = if n <= TOPK_SEGMENT {
+            1
+        } else {
+            n.div_ceil(TOPK_SEGMENT)
+        };
+        let ov = gpu.alloc((rows * g * k * 4) as u64);
+        let oi = gpu.alloc((rows * g * k * 4) as u64);
+        let (xv, xi, has_ids) = match &cur {
+            None => (x.bind(), Bind::from(&no_ids), 0),
+            Some((v, i)) => (Bind::from(v), Bind::from(i), 1),
+        };
+        gpu.dispatch(
+            &pipe,
+            &params(&[rows as u32, n as u32, g as u32, k as u32, has_ids]),
+            &[xv, xi, (&ov).into(), (&oi).into()],
+            groups_2d((rows * g).div_ceil(64) as u32),
+        );
+        cur = Some((ov, oi));
+        n = g * k;
+        if g == 1 {
+            break;
+        }
+    }
+    let (ov, oi) = cur.expect("at least one pass");
+    let bytes = (rows * k * 4) as u64;
+    let ids = words(&gpu.read(oi.buffer(), 0, bytes));
+    let vals = words(&gpu.read(ov.buffer(), 0, bytes))
+        .into_iter()
+        .map(f32::from_bits)
+        .collect();
+    (ids, vals)
+}
+
+/// The first `kv.len` rows of K and of V as stored, in ggml's row layout (the word padding of
+/// each row dropped): for inspection and tests.
+pub fn read_cache(be: &WgpuBackend, kv: &Kv) -> (Vec<u8>, Vec<u8>) {
+    let read = |c: &KvBuf| {
+        let row_bytes = c.ty.row_bytes(kv.width as u64).expect("whole blocks") as usize;
+        let b = be
+            .gpu
+            .read(c.buf.buffer(), 0, (kv.len * c.row_words * 4).max(4) as u64);
+        let mut out = Vec::with_capacity(kv.len * row_bytes);
+        for r in 0..kv.len {
+            out.extend_from_slice(&b[r * c.row_words * 4..][..row_bytes]);
+        }
+        out
+    };
+    (read(&kv.k), read(&kv.v))
 }

@@ -16,7 +16,11 @@ pub fn params(words: &[u32]) -> Vec<u8> {
 }
 
 pub fn new_tensor(be: &WgpuBackend, rows: usize, cols: usize) -> Tensor {
-    Tensor { buf: be.gpu.alloc((rows * cols * 4) as u64), rows, cols }
+    Tensor {
+        buf: be.gpu.alloc((rows * cols * 4) as u64),
+        rows,
+        cols,
+    }
 }
 
 pub fn rms_norm(be: &WgpuBackend, x: &Tensor, w: &Weight, eps: f32) -> Tensor {
@@ -35,7 +39,12 @@ pub fn rms_norm(be: &WgpuBackend, x: &Tensor, w: &Weight, eps: f32) -> Tensor {
 pub fn add_assign(be: &WgpuBackend, x: &mut Tensor, y: &Tensor) {
     assert_eq!(x.len(), y.len());
     let p = be.gpu.pipeline("add", ADD);
-    be.gpu.dispatch(&p, &params(&[x.len() as u32]), &[x.bind(), y.bind()], groups_2d(x.len().div_ceil(256) as u32));
+    be.gpu.dispatch(
+        &p,
+        &params(&[x.len() as u32]),
+        &[x.bind(), y.bind()],
+        groups_2d(x.len().div_ceil(256) as u32),
+    );
 }
 
 pub fn swiglu(be: &WgpuBackend, gate: &Tensor, up: &Tensor) -> Tensor {

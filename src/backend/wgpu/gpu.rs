@@ -55,7 +55,11 @@ pub struct Bind<'a> {
 
 impl<'a> Bind<'a> {
     pub fn all(buf: &'a wgpu::Buffer) -> Bind<'a> {
-        Bind { buf, offset: 0, size: None }
+        Bind {
+            buf,
+            offset: 0,
+            size: None,
+        }
     }
 }
 
@@ -128,7 +132,9 @@ impl Gpu {
         let limits = wgpu::Limits {
             max_storage_buffer_binding_size: alimits.max_storage_buffer_binding_size,
             max_buffer_size: alimits.max_buffer_size,
-            max_storage_buffers_per_shader_stage: alimits.max_storage_buffers_per_shader_stage.min(16),
+            max_storage_buffers_per_shader_stage: alimits
+                .max_storage_buffers_per_shader_stage
+                .min(16),
             max_compute_workgroup_storage_size: alimits.max_compute_workgroup_storage_size,
             max_compute_invocations_per_workgroup: alimits.max_compute_invocations_per_workgroup,
             max_compute_workgroup_size_x: alimits.max_compute_workgroup_size_x,
@@ -159,7 +165,12 @@ impl Gpu {
             has_f16,
             has_subgroups,
             pipelines: Mutex::new(HashMap::new()),
-            pending: Mutex::new(Pending { encoder: None, uniforms: Vec::new(), arena, dispatches: 0 }),
+            pending: Mutex::new(Pending {
+                encoder: None,
+                uniforms: Vec::new(),
+                arena,
+                dispatches: 0,
+            }),
             pool: Arc::new(Mutex::new(Pool::default())),
             uniform_align,
         })
@@ -188,19 +199,27 @@ impl Gpu {
         if let Some(p) = self.pipelines.lock().unwrap().get(key) {
             return p.clone();
         }
-        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(key),
-            source: wgpu::ShaderSource::Wgsl(source.into()),
-        });
-        let p = Arc::new(self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some(key),
-            layout: None,
-            module: &module,
-            entry_point: Some("main"),
-            compilation_options: Default::default(),
-            cache: None,
-        }));
-        self.pipelines.lock().unwrap().insert(key.to_string(), p.clone());
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(key),
+                source: wgpu::ShaderSource::Wgsl(source.into()),
+            });
+        let p = Arc::new(
+            self.device
+                .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                    label: Some(key),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: Default::default(),
+                    cache: None,
+                }),
+        );
+        self.pipelines
+            .lock()
+            .unwrap()
+            .insert(key.to_string(), p.clone());
         p
     }
 
@@ -222,7 +241,11 @@ impl Gpu {
                 })
             }
         };
-        PBuf { buf: Some(buf), size, pool: self.pool.clone() }
+        PBuf {
+            buf: Some(buf),
+            size,
+            pool: self.pool.clone(),
+        }
     }
 
     /// Bytes held by the pool (in use or free), for the memory ledger.
@@ -237,7 +260,9 @@ impl Gpu {
         let buf = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: true,
         });
         buf.slice(..)
@@ -253,20 +278,39 @@ impl Gpu {
     pub fn upload_pooled(&self, data: &[u8]) -> PBuf {
         let staging = self.upload("staging", data);
         let out = self.alloc(data.len() as u64);
-        self.copy(&staging, 0, out.buffer(), 0, (data.len() as u64).div_ceil(4) * 4);
+        self.copy(
+            &staging,
+            0,
+            out.buffer(),
+            0,
+            (data.len() as u64).div_ceil(4) * 4,
+        );
         out
     }
 
-    fn with_encoder<R>(&self, f: impl FnOnce(&mut wgpu::CommandEncoder, &mut Vec<u8>, &wgpu::Buffer) -> R) -> R {
+    fn with_encoder<R>(
+        &self,
+        f: impl FnOnce(&mut wgpu::CommandEncoder, &mut Vec<u8>, &wgpu::Buffer) -> R,
+    ) -> R {
         let mut p = self.pending.lock().unwrap();
         let p = &mut *p;
         let enc = p.encoder.get_or_insert_with(|| {
-            self.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") })
+            self.device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("step"),
+                })
         });
         f(enc, &mut p.uniforms, &p.arena)
     }
 
-    pub fn copy(&self, src: &wgpu::Buffer, src_off: u64, dst: &wgpu::Buffer, dst_off: u64, bytes: u64) {
+    pub fn copy(
+        &self,
+        src: &wgpu::Buffer,
+        src_off: u64,
+        dst: &wgpu::Buffer,
+        dst_off: u64,
+        bytes: u64,
+    ) {
         if bytes == 0 {
             return;
         }
@@ -276,7 +320,13 @@ impl Gpu {
     /// Records one dispatch: `params` go to `@binding(0)` as a uniform, `binds` to bindings
     /// 1.. in order, all in `@group(0)`. Every binding the shader declares must be used by it
     /// (the layout is derived from the shader).
-    pub fn dispatch(&self, pipeline: &wgpu::ComputePipeline, params: &[u8], binds: &[Bind<'_>], groups: [u32; 3]) {
+    pub fn dispatch(
+        &self,
+        pipeline: &wgpu::ComputePipeline,
+        params: &[u8],
+        binds: &[Bind<'_>],
+        groups: [u32; 3],
+    ) {
         let slot = (params.len().max(16) as u64).div_ceil(self.uniform_align) * self.uniform_align;
         {
             let used = self.pending.lock().unwrap().uniforms.len() as u64;
@@ -318,7 +368,10 @@ impl Gpu {
                 layout: &layout,
                 entries: &entries,
             });
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor { label: None, timestamp_writes: None });
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: None,
+                timestamp_writes: None,
+            });
             pass.set_pipeline(pipeline);
             pass.set_bind_group(0, &bg, &[]);
             pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
@@ -354,8 +407,12 @@ impl Gpu {
         staging.map_async(wgpu::MapMode::Read, .., move |r| {
             let _ = tx.send(r);
         });
-        self.device.poll(wgpu::PollType::wait_indefinitely()).expect("device poll");
-        rx.recv().expect("map callback").expect("map readback buffer");
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .expect("device poll");
+        rx.recv()
+            .expect("map callback")
+            .expect("map readback buffer");
         let out = staging.get_mapped_range(..).expect("mapped range")[..bytes as usize].to_vec();
         staging.unmap();
         out
@@ -363,7 +420,9 @@ impl Gpu {
 
     pub fn read_f32(&self, src: &wgpu::Buffer, offset: u64, n: usize) -> Vec<f32> {
         let b = self.read(src, offset, n as u64 * 4);
-        b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+        b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
     }
 }
 

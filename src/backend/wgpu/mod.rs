@@ -24,7 +24,9 @@ pub struct WgpuBackend {
 
 impl WgpuBackend {
     pub fn new() -> Result<WgpuBackend, BackendError> {
-        Ok(WgpuBackend { gpu: Arc::new(Gpu::new()?) })
+        Ok(WgpuBackend {
+            gpu: Arc::new(Gpu::new()?),
+        })
     }
 }
 
@@ -43,7 +45,11 @@ impl Tensor {
         self.len() == 0
     }
     pub fn bind(&self) -> Bind<'_> {
-        Bind { buf: self.buf.buffer(), offset: 0, size: Some((self.len() as u64 * 4).max(4)) }
+        Bind {
+            buf: self.buf.buffer(),
+            offset: 0,
+            size: Some((self.len() as u64 * 4).max(4)),
+        }
     }
 }
 
@@ -80,7 +86,9 @@ pub struct Weight {
 
 impl Weight {
     pub fn dense(&self) -> &wgpu::Buffer {
-        self.dense.as_ref().unwrap_or_else(|| panic!("{}: dense view of a matrix weight", self.name))
+        self.dense
+            .as_ref()
+            .unwrap_or_else(|| panic!("{}: dense view of a matrix weight", self.name))
     }
 }
 
@@ -91,9 +99,20 @@ fn is_dense(w: &WeightSource) -> bool {
 }
 
 impl WgpuBackend {
-    fn fold_on_device(&self, h: &crate::quant::hadamard::HadamardConfig, width: usize, perm: Option<GdnPermutation>) -> GpuFold {
-        let signs = h.signs(width).map(|s| self.gpu.upload("signs", bytemuck::cast_slice(s)));
-        GpuFold { block: h.block_size, signs, perm }
+    fn fold_on_device(
+        &self,
+        h: &crate::quant::hadamard::HadamardConfig,
+        width: usize,
+        perm: Option<GdnPermutation>,
+    ) -> GpuFold {
+        let signs = h
+            .signs(width)
+            .map(|s| self.gpu.upload("signs", bytemuck::cast_slice(s)));
+        GpuFold {
+            block: h.block_size,
+            signs,
+            perm,
+        }
     }
 }
 
@@ -111,10 +130,21 @@ impl Backend for WgpuBackend {
         let ty = w.info.ty;
         let supported = matches!(
             ty,
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::PQ2_0 | GgmlType::Q2_0Legacy | GgmlType::PTQ1_0
+            GgmlType::F32
+                | GgmlType::F16
+                | GgmlType::BF16
+                | GgmlType::Q8_0
+                | GgmlType::Q4_0
+                | GgmlType::PQ2_0
+                | GgmlType::Q2_0Legacy
+                | GgmlType::PTQ1_0
         );
         if !supported {
-            return Err(BackendError::UnsupportedType { name: w.info.name.clone(), ty, backend: "wgpu" });
+            return Err(BackendError::UnsupportedType {
+                name: w.info.name.clone(),
+                ty,
+                backend: "wgpu",
+            });
         }
         let (ne0, rows) = w.shape2();
         let row_bytes = w.info.row_bytes() as usize;
@@ -132,8 +162,10 @@ impl Backend for WgpuBackend {
         };
         if is_dense(w) {
             let mut f = vec![0f32; ne0 * rows];
-            quant::dequantize_row(ty, bytes, &mut f)
-                .map_err(|e| BackendError::BadWeight { name: w.info.name.clone(), what: e.to_string() })?;
+            quant::dequantize_row(ty, bytes, &mut f).map_err(|e| BackendError::BadWeight {
+                name: w.info.name.clone(),
+                what: e.to_string(),
+            })?;
             out.dense = Some(self.gpu.upload(&w.info.name, bytemuck::cast_slice(&f)));
         } else {
             let limit = self.gpu.limits.max_storage_buffer_binding_size as usize;
@@ -141,8 +173,15 @@ impl Backend for WgpuBackend {
             let mut row0 = 0;
             while row0 < rows {
                 let n = per_part.min(rows - row0);
-                let buf = self.gpu.upload(&w.info.name, &bytes[row0 * row_bytes..(row0 + n) * row_bytes]);
-                out.parts.push(WeightPart { buf, row0, n_rows: n });
+                let buf = self.gpu.upload(
+                    &w.info.name,
+                    &bytes[row0 * row_bytes..(row0 + n) * row_bytes],
+                );
+                out.parts.push(WeightPart {
+                    buf,
+                    row0,
+                    n_rows: n,
+                });
                 row0 += n;
             }
         }
@@ -157,7 +196,11 @@ impl Backend for WgpuBackend {
 
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Tensor {
         assert_eq!(data.len(), rows * cols);
-        Tensor { buf: self.gpu.upload_pooled(bytemuck::cast_slice(data)), rows, cols }
+        Tensor {
+            buf: self.gpu.upload_pooled(bytemuck::cast_slice(data)),
+            rows,
+            cols,
+        }
     }
 
     fn to_host(&self, t: &Tensor) -> Vec<f32> {
@@ -166,12 +209,40 @@ impl Backend for WgpuBackend {
 
     fn rows(&self, t: &Tensor, start: usize, n: usize) -> Tensor {
         let out = self.gpu.alloc((n * t.cols * 4) as u64);
-        self.gpu.copy(t.buf.buffer(), (start * t.cols * 4) as u64, out.buffer(), 0, (n * t.cols * 4) as u64);
-        Tensor { buf: out, rows: n, cols: t.cols }
+        self.gpu.copy(
+            t.buf.buffer(),
+            (start * t.cols * 4) as u64,
+            out.buffer(),
+            0,
+            (n * t.cols * 4) as u64,
+        );
+        Tensor {
+            buf: out,
+            rows: n,
+            cols: t.cols,
+        }
     }
 
     fn concat_cols(&self, a: &Tensor, b: &Tensor) -> Tensor {
         basic::concat_cols(self, a, b)
+    }
+
+    fn concat_rows(&self, parts: &[&Tensor]) -> Tensor {
+        let cols = parts[0].cols;
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let out = self.gpu.alloc((rows * cols * 4) as u64);
+        let mut at = 0u64;
+        for p in parts {
+            assert_eq!(p.cols, cols, "concat_rows: column counts differ");
+            let n = (p.len() * 4) as u64;
+            self.gpu.copy(p.buf.buffer(), 0, out.buffer(), at, n);
+            at += n;
+        }
+        Tensor {
+            buf: out,
+            rows,
+            cols,
+        }
     }
 
     fn embed(&self, table: &Weight, ids: &[u32]) -> Tensor {

@@ -1,0 +1,392 @@
+//! Pricing a shape into ledger terms, from the GGUF header alone.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use super::compute;
+use super::table::{count, mib};
+use super::{KvType, PlanError, Shape};
+use crate::gguf::Gguf;
+use crate::model::Config;
+
+/// One line of the ledger.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Term {
+    Weights,
+    Kv,
+    DraftKv,
+    Recurrent,
+    Compute,
+    DraftCompute,
+    Projector,
+    Lora,
+}
+
+impl Term {
+    pub fn name(self) -> &'static str {
+        match self {
+            Term::Weights => "weights",
+            Term::Kv => "kv",
+            Term::DraftKv => "draft kv",
+            Term::Recurrent => "recurrent",
+            Term::Compute => "compute",
+            Term::DraftCompute => "draft compute",
+            Term::Projector => "projector",
+            Term::Lora => "lora",
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Line {
+    pub term: Term,
+    pub bytes: u64,
+    /// How the figure was made, in words and numbers.
+    pub detail: String,
+    /// True for the terms priced by a formula of ours rather than by the file or the cache
+    /// arithmetic (compute buffers, until a backend exposes its allocation plan).
+    pub estimated: bool,
+    /// Named sub-terms (K and V of a cache, the parts of an estimate); they add up to `bytes`.
+    pub parts: Vec<(String, u64)>,
+}
+
+/// The model geometry the ledger was priced from.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Geometry {
+    pub name: Option<String>,
+    pub n_layer: u64,
+    pub n_full_attn: u64,
+    pub n_gdn: u64,
+    pub n_nextn: u64,
+    pub n_embd: u64,
+    pub n_ff: u64,
+    pub n_vocab: u64,
+    pub n_head: u64,
+    pub n_head_kv: u64,
+    pub head_dim: u64,
+    pub ssm_conv: u64,
+    pub ssm_state: u64,
+    pub ssm_n_k: u64,
+    pub ssm_n_v: u64,
+    pub context_length: u64,
+    /// `n_full_attn × n_head_kv × head_dim`: KV elements per token per cache.
+    pub kv_elems_per_token: u64,
+    /// Recurrent-state bytes of one slot (one copy, all GDN layers).
+    pub recurrent_bytes_per_slot: u64,
+    pub file_bytes: u64,
+}
+
+/// A priced shape.
+#[derive(Clone, Debug)]
+pub struct Ledger {
+    pub model: PathBuf,
+    pub geometry: Geometry,
+    pub shape: Shape,
+    pub n_ctx_slot: u64,
+    pub lines: Vec<Line>,
+}
+
+impl Ledger {
+    /// Opens the model (header only: the mapping's data pages are never touched) and prices
+    /// `shape`.
+    pub fn price_file(model: impl AsRef<Path>, shape: &Shape) -> Result<Ledger, PlanError> {
+        let g = Gguf::open(model)?;
+        Ledger::price(&g, shape)
+    }
+
+    /// Prices `shape` for the model `g`: validates the shape against the model, then every
+    /// term. Errors name the rule that was broken.
+    pub fn price(g: &Gguf, shape: &Shape) -> Result<Ledger, PlanError> {
+        let cfg = Config::from_gguf(g)?;
+        Ledger::price_with(g, &cfg, shape)
+    }
+
+    pub(crate) fn price_with(g: &Gguf, cfg: &Config, shape: &Shape) -> Result<Ledger, PlanError> {
+        shape.validate()?;
+        let n_ctx_slot = shape.n_ctx_slot();
+        if n_ctx_slot > cfg.context_length as u64 {
+            return Err(PlanError::SlotTooLong {
+                n_ctx_slot,
+                ctx_size: shape.ctx_size,
+                parallel: shape.parallel,
+                context_length: cfg.context_length as u64,
+            });
+        }
+        if shape.drafting() {
+            if !cfg.has_mtp() {
+                return Err(PlanError::DraftWithoutMtp {
+                    model: g.path().to_path_buf(),
+                });
+            }
+            let block = format!("blk.{}", cfg.n_layer);
+            let prefix = format!("{block}.nextn.");
+            if !g.tensors().iter().any(|t| t.name.starts_with(&prefix)) {
+                return Err(PlanError::MtpTensorsMissing {
+                    model: g.path().to_path_buf(),
+                    n_nextn: cfg.n_nextn,
+                    block,
+                });
+            }
+        }
+        let geometry = geometry(g, cfg);
+        let mut lines = vec![weights(g)];
+        lines.push(kv(&geometry, shape)?);
+        if shape.drafting() {
+            lines.push(draft_kv(&geometry, shape)?);
+        }
+        lines.push(recurrent(&geometry, shape));
+        let (c, dc) = compute::estimate(&geometry, shape);
+        lines.push(c);
+        if let Some(dc) = dc {
+            lines.push(dc);
+        }
+        if let Some(p) = &shape.mmproj {
+            let bytes = file_size("projector", p)?;
+            lines.push(Line {
+                term: Term::Projector,
+                bytes,
+                detail: format!(
+                    "{}: {} B as stored (the vision encoder's activations are not priced yet)",
+                    p.display(),
+                    count(bytes)
+                ),
+                estimated: false,
+                parts: Vec::new(),
+            });
+        }
+        if !shape.lora.is_empty() {
+            let mut parts = Vec::new();
+            for p in &shape.lora {
+                parts.push((p.display().to_string(), file_size("LoRA adapter", p)?));
+            }
+            let bytes = parts.iter().map(|(_, b)| *b).fold(0u64, u64::saturating_add);
+            let names: Vec<String> = parts
+                .iter()
+                .map(|(n, b)| format!("{n} {} B", count(*b)))
+                .collect();
+            lines.push(Line {
+                term: Term::Lora,
+                bytes,
+                detail: format!("{} as stored", names.join(", ")),
+                estimated: false,
+                parts,
+            });
+        }
+        Ok(Ledger {
+            model: g.path().to_path_buf(),
+            geometry,
+            shape: shape.clone(),
+            n_ctx_slot,
+            lines,
+        })
+    }
+
+    /// The sum of all terms (the margin is not a term).
+    pub fn total(&self) -> u64 {
+        self.lines
+            .iter()
+            .map(|l| l.bytes)
+            .fold(0u64, u64::saturating_add)
+    }
+
+    pub fn line(&self, term: Term) -> Option<&Line> {
+        self.lines.iter().find(|l| l.term == term)
+    }
+
+    /// A term's bytes, 0 when the shape does not have it.
+    pub fn bytes(&self, term: Term) -> u64 {
+        self.line(term).map_or(0, |l| l.bytes)
+    }
+
+    /// A named part of a term (e.g. `("kv", "K")`), matched on the part's first word.
+    pub fn part(&self, term: Term, name: &str) -> Option<u64> {
+        self.line(term)?
+            .parts
+            .iter()
+            .find(|(n, _)| n.split_whitespace().next() == Some(name))
+            .map(|(_, b)| *b)
+    }
+}
+
+fn geometry(g: &Gguf, cfg: &Config) -> Geometry {
+    let n_gdn = (0..cfg.n_layer).filter(|&il| cfg.is_recurrent(il)).count() as u64;
+    let n_full = cfg.n_layer as u64 - n_gdn;
+    let kv_elems = n_full * cfg.n_head_kv as u64 * cfg.head_dim as u64;
+    let gdn = cfg.gdn_params();
+    let conv_dim = gdn.conv_dim() as u64;
+    let d = cfg.ssm_state as u64;
+    let floats = (cfg.ssm_conv as u64 - 1) * conv_dim + d * d * cfg.ssm_n_v as u64;
+    Geometry {
+        name: g.get_str("general.name").map(str::to_string),
+        n_layer: cfg.n_layer as u64,
+        n_full_attn: n_full,
+        n_gdn,
+        n_nextn: cfg.n_nextn as u64,
+        n_embd: cfg.n_embd as u64,
+        n_ff: cfg.n_ff as u64,
+        n_vocab: cfg.n_vocab as u64,
+        n_head: cfg.n_head as u64,
+        n_head_kv: cfg.n_head_kv as u64,
+        head_dim: cfg.head_dim as u64,
+        ssm_conv: cfg.ssm_conv as u64,
+        ssm_state: d,
+        ssm_n_k: cfg.ssm_n_k as u64,
+        ssm_n_v: cfg.ssm_n_v as u64,
+        context_length: cfg.context_length as u64,
+        kv_elems_per_token: kv_elems,
+        recurrent_bytes_per_slot: n_gdn * floats * 4,
+        file_bytes: g.file_len(),
+    }
+}
+
+fn weights(g: &Gguf) -> Line {
+    let mut by_type: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    for t in g.tensors() {
+        let e = by_type.entry(t.ty.name().to_string()).or_default();
+        e.0 += 1;
+        e.1 = e.1.saturating_add(t.nbytes);
+    }
+    let mut parts: Vec<(String, u64, u64)> =
+        by_type.into_iter().map(|(n, (c, b))| (n, c, b)).collect();
+    parts.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)));
+    let bytes = parts.iter().map(|p| p.2).fold(0u64, u64::saturating_add);
+    let desc: Vec<String> = parts
+        .iter()
+        .map(|(n, c, b)| format!("{n} ×{c} {}", mib(*b)))
+        .collect();
+    Line {
+        term: Term::Weights,
+        bytes,
+        detail: format!(
+            "{} tensors as stored: {}",
+            g.tensors().len(),
+            desc.join(", ")
+        ),
+        estimated: false,
+        parts: parts
+            .into_iter()
+            .map(|(n, c, b)| (format!("{n} ({c} tensors)"), b))
+            .collect(),
+    }
+}
+
+/// Bytes of one cache over `positions` tokens: `layers` rows of `elems` elements per token.
+fn cache_bytes(
+    which: &'static str,
+    ty: KvType,
+    elems: u64,
+    layers: u64,
+    positions: u64,
+) -> Result<u64, PlanError> {
+    let row = ty
+        .ggml()
+        .row_bytes(elems)
+        .ok_or(PlanError::KvRow { which, ty, elems })?;
+    Ok(row.saturating_mul(layers).saturating_mul(positions))
+}
+
+fn kv(geo: &Geometry, shape: &Shape) -> Result<Line, PlanError> {
+    let elems = geo.n_head_kv * geo.head_dim;
+    let pool = shape.ctx_size;
+    let (tk, tv) = (shape.cache_type_k, shape.cache_type_v);
+    let k = cache_bytes("K", tk, elems, geo.n_full_attn, pool)?;
+    let v = cache_bytes("V", tv, elems, geo.n_full_attn, pool)?;
+    let per_token = cache_bytes("K", tk, elems, geo.n_full_attn, 1)?
+        + cache_bytes("V", tv, elems, geo.n_full_attn, 1)?;
+    Ok(Line {
+        term: Term::Kv,
+        bytes: k.saturating_add(v),
+        detail: format!(
+            "{} full-attn layers × {} kv heads × {} = {} elem/token/cache; \
+             K {tk} {} + V {tv} {} = {} B/token × pool {} ({} × {})",
+            geo.n_full_attn,
+            geo.n_head_kv,
+            geo.head_dim,
+            count(geo.kv_elems_per_token),
+            mib(k),
+            mib(v),
+            count(per_token),
+            count(pool),
+            shape.parallel,
+            count(shape.n_ctx_slot()),
+        ),
+        estimated: false,
+        parts: vec![(format!("K {tk}"), k), (format!("V {tv}"), v)],
+    })
+}
+
+fn draft_kv(geo: &Geometry, shape: &Shape) -> Result<Line, PlanError> {
+    let elems = geo.n_head_kv * geo.head_dim;
+    let pool = shape.ctx_size;
+    let (tk, tv) = (shape.spec_draft_type_k, shape.spec_draft_type_v);
+    let k = cache_bytes("draft K", tk, elems, geo.n_nextn, pool)?;
+    let v = cache_bytes("draft V", tv, elems, geo.n_nextn, pool)?;
+    let per_pos = cache_bytes("draft K", tk, elems, geo.n_nextn, 1)?
+        + cache_bytes("draft V", tv, elems, geo.n_nextn, 1)?;
+    Ok(Line {
+        term: Term::DraftKv,
+        bytes: k.saturating_add(v),
+        detail: format!(
+            "MTP blk.{}: {} full-attn layer × {} elem; K {tk} + V {tv} = {} B/position \
+             over the whole pool {}",
+            geo.n_layer,
+            geo.n_nextn,
+            count(elems),
+            count(per_pos),
+            count(pool),
+        ),
+        estimated: false,
+        parts: vec![(format!("K {tk}"), k), (format!("V {tv}"), v)],
+    })
+}
+
+fn recurrent(geo: &Geometry, shape: &Shape) -> Line {
+    let copies = shape.recurrent_copies();
+    let bytes = geo
+        .recurrent_bytes_per_slot
+        .saturating_mul(shape.parallel)
+        .saturating_mul(copies);
+    let conv_dim = 2 * geo.ssm_n_k * geo.ssm_state + geo.ssm_n_v * geo.ssm_state;
+    let copies_note = if shape.drafting() {
+        format!(" × {copies} copies (1 + spec-draft-n-max {})", shape.draft_n_max)
+    } else {
+        String::new()
+    };
+    Line {
+        term: Term::Recurrent,
+        bytes,
+        detail: format!(
+            "{} GDN layers × ({} × {} + {}² × {}) f32 = {} B = {} per slot × {} slots{}",
+            geo.n_gdn,
+            geo.ssm_conv.saturating_sub(1),
+            count(conv_dim),
+            geo.ssm_state,
+            geo.ssm_n_v,
+            count(geo.recurrent_bytes_per_slot),
+            mib(geo.recurrent_bytes_per_slot),
+            shape.parallel,
+            copies_note
+        ),
+        estimated: false,
+        parts: Vec::new(),
+    }
+}
+
+fn file_size(what: &'static str, p: &Path) -> Result<u64, PlanError> {
+    let md = std::fs::metadata(p).map_err(|source| PlanError::File {
+        what,
+        path: p.to_path_buf(),
+        source,
+    })?;
+    if !md.is_file() {
+        return Err(PlanError::File {
+            what,
+            path: p.to_path_buf(),
+            source: std::io::Error::other("not a regular file"),
+        });
+    }
+    Ok(md.len())
+}
