@@ -40,7 +40,7 @@ fn greedy<B: Backend>(
         out.extend(g.step().unwrap());
     }
     out.truncate(n);
-    (out, g.stats.clone())
+    (out, g.stats().clone())
 }
 
 fn drafting_does_not_change_greedy_output<B: Backend>(be: &B) {
@@ -93,9 +93,9 @@ fn oracle_drafts_are_accepted_and_wrong_ones_rolled_back<B: Backend>(be: &B) {
                 drafts[1] = (drafts[1] + 1) % m.cfg.n_vocab as u32;
             }
         }
-        let before = g.stats.accepted;
+        let before = g.stats().accepted;
         out.extend(g.verify(&drafts).unwrap());
-        let acc = g.stats.accepted - before;
+        let acc = g.stats().accepted - before;
         if round % 4 == 3 && k > 1 {
             assert_eq!(acc, 1, "round {round}");
         } else {

@@ -1,4 +1,5 @@
 //! The serving runtime: sampling and speculative decoding over the model's per-sequence state.
 
+pub mod engine;
 pub mod sampler;
 pub mod speculative;

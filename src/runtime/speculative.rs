@@ -1,10 +1,13 @@
-//! One sequence's generation loop, with optional MTP self-speculation (model-qwen35.md §6):
-//! the MTP head drafts up to `n_max` tokens, the trunk verifies `[last, d1..dn]` in one batch,
-//! the longest prefix the sampler agrees with is kept, and the attention caches and recurrent
-//! states roll back exactly past it. Greedy output is identical with drafting on or off.
+//! One sequence's decoding state, with optional MTP self-speculation (model-qwen35.md §6): the
+//! MTP head drafts up to `n_max` tokens, the trunk verifies `[last, d1..dn]` in one batch, the
+//! longest prefix the sampler agrees with is kept, and the attention caches and recurrent states
+//! roll back exactly past it. Greedy output is identical with drafting on or off.
+//!
+//! `SlotDecoder` holds the per-sequence pieces and the steps of a round; `Generator` drives one
+//! sequence with them, the engine drives many in shared batches.
 
 use crate::backend::Backend;
-use crate::model::{Model, ModelError, MtpState, SeqState};
+use crate::model::{BatchItem, Model, ModelError, MtpState, Output, SeqState};
 
 use super::sampler::{argmax, probability, Sampler};
 
@@ -46,42 +49,61 @@ impl SpecStats {
             self.accepted as f64 / self.drafted as f64
         }
     }
+
+    pub fn add(&mut self, o: &SpecStats) {
+        self.drafts += o.drafts;
+        self.drafted += o.drafted;
+        self.accepted += o.accepted;
+        if self.accepted_per_pos.len() < o.accepted_per_pos.len() {
+            self.accepted_per_pos.resize(o.accepted_per_pos.len(), 0);
+        }
+        for (a, b) in self.accepted_per_pos.iter_mut().zip(&o.accepted_per_pos) {
+            *a += b;
+        }
+    }
 }
 
-struct Mtp<B: Backend> {
-    state: MtpState<B>,
+pub struct Mtp<B: Backend> {
+    pub state: MtpState<B>,
     /// The trunk's `h_nextn` of the last position fed to the trunk (zeros before any).
-    pending_h: Vec<f32>,
+    pub pending_h: Vec<f32>,
 }
 
-pub struct Generator<'a, B: Backend> {
-    model: &'a Model<B>,
-    be: &'a B,
+/// The outcome of sampling a verify batch.
+pub struct Verified {
+    /// Tokens produced this round: the accepted drafts and the trunk's own next token.
+    pub produced: Vec<u32>,
+    pub accepted: usize,
+    /// The rows to replay after a rollback (`Some` when a draft was rejected).
+    pub replay: Option<Vec<u32>>,
+}
+
+pub struct SlotDecoder<B: Backend> {
     pub seq: SeqState<B>,
     checkpoint: Vec<Option<B::Rs>>,
-    mtp: Option<Mtp<B>>,
-    spec: Option<SpecConfig>,
+    pub mtp: Option<Mtp<B>>,
     pub sampler: Sampler,
     /// Sampled but not yet fed to the trunk.
-    last: Option<u32>,
+    pub last: Option<u32>,
     pub stats: SpecStats,
 }
 
-impl<'a, B: Backend> Generator<'a, B> {
-    /// `spec = Some(..)` arms MTP drafting (the model must have an MTP block).
+impl<B: Backend> SlotDecoder<B> {
+    /// `mtp = true` arms drafting (the model must have an MTP block).
     pub fn new(
-        model: &'a Model<B>,
-        be: &'a B,
+        model: &Model<B>,
+        be: &B,
         seq: SeqState<B>,
         sampler: Sampler,
-        spec: Option<SpecConfig>,
+        mtp: bool,
     ) -> Result<Self, ModelError> {
-        let mtp = match &spec {
-            Some(_) => Some(Mtp {
+        let mtp = if mtp {
+            Some(Mtp {
                 state: model.new_mtp_state(be)?,
                 pending_h: vec![0.0; model.cfg.n_embd],
-            }),
-            None => None,
+            })
+        } else {
+            None
         };
         let gp = model.cfg.gdn_params();
         let checkpoint = seq
@@ -89,28 +111,30 @@ impl<'a, B: Backend> Generator<'a, B> {
             .iter()
             .map(|r| r.as_ref().map(|_| be.new_recurrent(&gp)))
             .collect();
-        Ok(Generator {
-            model,
-            be,
+        Ok(SlotDecoder {
             seq,
             checkpoint,
             mtp,
-            spec,
             sampler,
             last: None,
             stats: SpecStats::default(),
         })
     }
 
-    fn sample_row(&mut self, logits: &B::T, row: usize, n_rows: usize) -> u32 {
+    /// Whether rows of every batch must come back (the MTP head needs the trunk's h per row).
+    pub fn wants_rows(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    pub fn sample_row(&mut self, be: &B, logits: &B::T, row: usize, n_rows: usize) -> u32 {
         let id = if self.sampler.is_greedy() {
             if n_rows == 1 {
-                self.be.argmax_rows(logits)[0]
+                be.argmax_rows(logits)[0]
             } else {
-                self.be.argmax_rows(&self.be.rows(logits, row, 1))[0]
+                be.argmax_rows(&be.rows(logits, row, 1))[0]
             }
         } else {
-            let host = self.be.to_host(&self.be.rows(logits, row, 1));
+            let host = be.to_host(&be.rows(logits, row, 1));
             self.sampler.sample(&host)
         };
         self.sampler.accept(id);
@@ -119,61 +143,49 @@ impl<'a, B: Backend> Generator<'a, B> {
 
     /// Fills the MTP cache over tokens just accepted by the trunk: row k reads token k and the
     /// trunk's h of the position before it.
-    fn mtp_process(&mut self, tokens: &[u32], h_rows: &[f32]) -> Result<(), ModelError> {
+    pub fn mtp_process(
+        &mut self,
+        model: &Model<B>,
+        be: &B,
+        tokens: &[u32],
+        h: &B::T,
+    ) -> Result<(), ModelError> {
         let Some(m) = self.mtp.as_mut() else {
             return Ok(());
         };
-        let ne = self.model.cfg.n_embd;
+        let ne = model.cfg.n_embd;
+        let h_rows = be.to_host(h);
         let mut hp = Vec::with_capacity(tokens.len() * ne);
         hp.extend_from_slice(&m.pending_h);
         hp.extend_from_slice(&h_rows[..(tokens.len() - 1) * ne]);
-        let hp = self.be.from_host(&hp, tokens.len(), ne);
-        self.model.mtp_forward(self.be, &mut m.state, tokens, &hp)?;
+        let hp = be.from_host(&hp, tokens.len(), ne);
+        model.mtp_forward(be, &mut m.state, tokens, &hp)?;
         m.pending_h = h_rows[(tokens.len() - 1) * ne..tokens.len() * ne].to_vec();
         Ok(())
     }
 
-    /// Runs the prompt and samples the first token.
-    pub fn prefill(&mut self, prompt: &[u32]) -> Result<u32, ModelError> {
-        let all = self.mtp.is_some();
-        let out = self.model.forward(self.be, &mut self.seq, prompt, all)?;
-        let n = if all { prompt.len() } else { 1 };
-        if all {
-            let h = self.be.to_host(&out.h);
-            self.mtp_process(prompt, &h)?;
-        }
-        let id = self.sample_row(&out.logits, n - 1, n);
-        self.last = Some(id);
-        Ok(id)
-    }
-
-    /// One decode step: returns the tokens it produced (one without drafting; up to
-    /// `n_max + 1` with it).
-    pub fn step(&mut self) -> Result<Vec<u32>, ModelError> {
-        let drafts = match &self.spec {
-            Some(spec) => self.draft(&spec.clone())?,
-            None => Vec::new(),
-        };
-        self.verify(&drafts)
-    }
-
     /// The MTP head's greedy draft from the last sampled token (its cache is left as found).
-    fn draft(&mut self, spec: &SpecConfig) -> Result<Vec<u32>, ModelError> {
-        let last = self.last.expect("prefill before step");
+    pub fn draft(
+        &mut self,
+        model: &Model<B>,
+        be: &B,
+        spec: &SpecConfig,
+        limit: usize,
+    ) -> Result<Vec<u32>, ModelError> {
+        let Some(last) = self.last else {
+            return Ok(Vec::new());
+        };
         let Some(m) = self.mtp.as_mut() else {
             return Ok(Vec::new());
         };
         let start = m.state.pos;
-        let ne = self.model.cfg.n_embd;
+        let ne = model.cfg.n_embd;
         let mut tok = last;
-        let mut h = self.be.from_host(&m.pending_h, 1, ne);
+        let mut h = be.from_host(&m.pending_h, 1, ne);
         let mut drafts = Vec::new();
-        for _ in 0..spec.n_max {
-            if self.seq.pos + drafts.len() + 1 >= self.model.cfg.context_length {
-                break;
-            }
-            let out = self.model.mtp_forward(self.be, &mut m.state, &[tok], &h)?;
-            let logits = self.be.to_host(&out.logits);
+        for _ in 0..spec.n_max.min(limit) {
+            let out = model.mtp_forward(be, &mut m.state, &[tok], &h)?;
+            let logits = be.to_host(&out.logits);
             let d = argmax(&logits);
             if probability(&logits, d) < spec.p_min {
                 break;
@@ -182,7 +194,7 @@ impl<'a, B: Backend> Generator<'a, B> {
             tok = d;
             h = out.h;
         }
-        self.be.kv_truncate(&mut m.state.kv, start);
+        be.kv_truncate(&mut m.state.kv, start);
         m.state.pos = start;
         if drafts.len() < spec.n_min {
             drafts.clear();
@@ -190,30 +202,37 @@ impl<'a, B: Backend> Generator<'a, B> {
         Ok(drafts)
     }
 
-    /// Verifies `drafts` (from the MTP head or any other drafter) after the last sampled
-    /// token in one trunk batch and keeps the agreed prefix plus the trunk's next token.
-    pub fn verify(&mut self, drafts: &[u32]) -> Result<Vec<u32>, ModelError> {
-        let last = self.last.expect("prefill before step");
-        let n_past = self.seq.pos;
+    /// The verify batch `[last, drafts..]`; checkpoints the recurrent state when drafting.
+    pub fn begin_verify(&mut self, be: &B, drafts: &[u32]) -> Vec<u32> {
         let mut batch = Vec::with_capacity(drafts.len() + 1);
-        batch.push(last);
+        batch.push(self.last.expect("a sampled token before decoding"));
         batch.extend_from_slice(drafts);
         if !drafts.is_empty() {
             for (c, s) in self.checkpoint.iter_mut().zip(&self.seq.rs) {
                 if let (Some(c), Some(s)) = (c.as_mut(), s.as_ref()) {
-                    self.be.recurrent_copy(s, c);
+                    be.recurrent_copy(s, c);
                 }
             }
         }
-        let want_rows = !drafts.is_empty() || self.mtp.is_some();
-        let out = self
-            .model
-            .forward(self.be, &mut self.seq, &batch, want_rows)?;
-        let n_rows = if want_rows { batch.len() } else { 1 };
+        batch
+    }
+
+    /// Samples the verify rows, keeps the agreed prefix, and rolls the trunk back past it when
+    /// a draft was rejected (the caller then replays `Verified::replay` and calls
+    /// `finish_round` with that output instead).
+    pub fn finish_verify(
+        &mut self,
+        be: &B,
+        out: &Output<B::T>,
+        batch: &[u32],
+        rows: bool,
+    ) -> Verified {
+        let drafts = &batch[1..];
+        let n_rows = if rows { batch.len() } else { 1 };
         let mut produced = Vec::new();
         let mut accepted = 0;
         for i in 0..batch.len() {
-            let t = self.sample_row(&out.logits, if want_rows { i } else { 0 }, n_rows);
+            let t = self.sample_row(be, &out.logits, if rows { i } else { 0 }, n_rows);
             produced.push(t);
             if i < drafts.len() && t == drafts[i] {
                 accepted += 1;
@@ -232,29 +251,119 @@ impl<'a, B: Backend> Generator<'a, B> {
                 *p += 1;
             }
         }
-        let kept = &batch[..accepted + 1];
-        let h_rows = if accepted < drafts.len() {
-            // Rejected rows advanced the state: restore the recurrent checkpoint, drop their
-            // cache rows, and replay the kept prefix so state and h are exactly those of
-            // decoding it token by token.
+        self.last = produced.last().copied();
+        let replay = if accepted < drafts.len() {
+            // Rejected rows advanced the state: restore the recurrent checkpoint and drop their
+            // cache rows; replaying the kept prefix makes state and h exactly those of decoding
+            // it token by token.
+            let n_past = self.seq.pos - batch.len();
             for (c, s) in self.checkpoint.iter().zip(self.seq.rs.iter_mut()) {
                 if let (Some(c), Some(s)) = (c.as_ref(), s.as_mut()) {
-                    self.be.recurrent_copy(c, s);
+                    be.recurrent_copy(c, s);
                 }
             }
             for kv in self.seq.kv.iter_mut().flatten() {
-                self.be.kv_truncate(kv, n_past);
+                be.kv_truncate(kv, n_past);
             }
             self.seq.pos = n_past;
-            let replay = self.model.forward(self.be, &mut self.seq, kept, true)?;
-            self.mtp.is_some().then(|| self.be.to_host(&replay.h))
+            Some(batch[..accepted + 1].to_vec())
         } else {
-            self.mtp.is_some().then(|| self.be.to_host(&out.h))
+            None
         };
-        if let Some(h) = h_rows {
-            self.mtp_process(kept, &h)?;
+        Verified {
+            produced,
+            accepted,
+            replay,
         }
-        self.last = produced.last().copied();
-        Ok(produced)
+    }
+}
+
+/// Drives one sequence: prefill, then rounds of (draft, verify, rollback).
+pub struct Generator<'a, B: Backend> {
+    model: &'a Model<B>,
+    be: &'a B,
+    pub slot: SlotDecoder<B>,
+    spec: Option<SpecConfig>,
+}
+
+impl<'a, B: Backend> Generator<'a, B> {
+    /// `spec = Some(..)` arms MTP drafting (the model must have an MTP block).
+    pub fn new(
+        model: &'a Model<B>,
+        be: &'a B,
+        seq: SeqState<B>,
+        sampler: Sampler,
+        spec: Option<SpecConfig>,
+    ) -> Result<Self, ModelError> {
+        let slot = SlotDecoder::new(model, be, seq, sampler, spec.is_some())?;
+        Ok(Generator {
+            model,
+            be,
+            slot,
+            spec,
+        })
+    }
+
+    pub fn stats(&self) -> &SpecStats {
+        &self.slot.stats
+    }
+
+    /// Runs the prompt and samples the first token.
+    pub fn prefill(&mut self, prompt: &[u32]) -> Result<u32, ModelError> {
+        let rows = self.slot.wants_rows();
+        let out = self
+            .model
+            .forward(self.be, &mut self.slot.seq, prompt, rows)?;
+        self.slot.mtp_process(self.model, self.be, prompt, &out.h)?;
+        let n = if rows { prompt.len() } else { 1 };
+        let id = self.slot.sample_row(self.be, &out.logits, n - 1, n);
+        self.slot.last = Some(id);
+        Ok(id)
+    }
+
+    /// One decode round: returns the tokens it produced (one without drafting; up to
+    /// `n_max + 1` with it).
+    pub fn step(&mut self) -> Result<Vec<u32>, ModelError> {
+        let drafts = match &self.spec {
+            Some(spec) => {
+                let room = self
+                    .model
+                    .cfg
+                    .context_length
+                    .saturating_sub(self.slot.seq.pos + 1);
+                self.slot.draft(self.model, self.be, &spec.clone(), room)?
+            }
+            None => Vec::new(),
+        };
+        self.verify(&drafts)
+    }
+
+    /// Verifies `drafts` (from the MTP head or any other drafter) after the last sampled token
+    /// in one trunk batch and keeps the agreed prefix plus the trunk's next token.
+    pub fn verify(&mut self, drafts: &[u32]) -> Result<Vec<u32>, ModelError> {
+        let batch = self.slot.begin_verify(self.be, drafts);
+        let rows = !drafts.is_empty() || self.slot.wants_rows();
+        let mut items = [BatchItem {
+            seq: &mut self.slot.seq,
+            tokens: &batch,
+            all_rows: rows,
+        }];
+        let out = self
+            .model
+            .forward_batch(self.be, &mut items)?
+            .pop()
+            .expect("one output");
+        let v = self.slot.finish_verify(self.be, &out, &batch, rows);
+        match &v.replay {
+            Some(kept) => {
+                let replay = self
+                    .model
+                    .forward(self.be, &mut self.slot.seq, kept, true)?;
+                self.slot
+                    .mtp_process(self.model, self.be, kept, &replay.h)?;
+            }
+            None => self.slot.mtp_process(self.model, self.be, &batch, &out.h)?,
+        }
+        Ok(v.produced)
     }
 }

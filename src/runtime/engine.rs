@@ -1,0 +1,921 @@
+//! The serving engine: `parallel` slots over one KV pool of `ctx_size` tokens, decoded together
+//! in shared batched steps, prompts fed in `ubatch` chunks between other slots' decode rounds,
+//! prefix reuse per slot, MTP drafting, stop conditions, timings and metrics. It runs on its own
+//! thread; callers submit requests and read a stream of events.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crate::backend::{Backend, KvTypes};
+use crate::model::{BatchItem, Model, ModelError};
+use crate::tokenizer::Tokenizer;
+
+use super::sampler::{Sampler, SamplerConfig};
+use super::speculative::{SlotDecoder, SpecConfig, SpecStats};
+
+#[derive(Clone, Debug, thiserror::Error, PartialEq)]
+pub enum EngineError {
+    #[error("ctx-size {ctx_size} does not divide evenly across parallel {parallel} slots")]
+    UnevenPool { ctx_size: usize, parallel: usize },
+    #[error("the slot window n_ctx_slot = {n_ctx_slot} (ctx-size / parallel) exceeds the model's trained context_length {trained}")]
+    WindowTooLong { n_ctx_slot: usize, trained: usize },
+    #[error("{0}")]
+    Config(String),
+    #[error(
+        "the prompt has {n_prompt} tokens, more than the slot window n_ctx_slot = {n_ctx_slot}"
+    )]
+    PromptTooLong { n_prompt: usize, n_ctx_slot: usize },
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("bad sampling parameters: {0}")]
+    Sampling(String),
+    #[error("model error: {0}")]
+    Model(String),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineConfig {
+    /// The KV pool, in tokens, shared evenly by the slots.
+    pub ctx_size: usize,
+    pub parallel: usize,
+    /// Most prompt tokens one slot feeds per step.
+    pub ubatch: usize,
+    pub kv_types: KvTypes,
+    pub spec: Option<SpecConfig>,
+}
+
+impl EngineConfig {
+    pub fn n_ctx_slot(&self) -> usize {
+        self.ctx_size / self.parallel.max(1)
+    }
+
+    pub fn validate(&self, trained: usize, has_mtp: bool) -> Result<(), EngineError> {
+        if self.parallel == 0 || self.ctx_size == 0 || self.ubatch == 0 {
+            return Err(EngineError::Config(
+                "ctx-size, parallel and ubatch-size must be positive".into(),
+            ));
+        }
+        if self.ctx_size % self.parallel != 0 {
+            return Err(EngineError::UnevenPool {
+                ctx_size: self.ctx_size,
+                parallel: self.parallel,
+            });
+        }
+        if self.n_ctx_slot() > trained {
+            return Err(EngineError::WindowTooLong {
+                n_ctx_slot: self.n_ctx_slot(),
+                trained,
+            });
+        }
+        if self.spec.is_some() && !has_mtp {
+            return Err(EngineError::Config(
+                "--spec-type draft-mtp needs a model with an MTP block (nextn_predict_layers > 0)"
+                    .into(),
+            ));
+        }
+        if let Some(s) = &self.spec {
+            if s.n_max == 0 || s.n_min > s.n_max || !(0.0..=1.0).contains(&s.p_min) {
+                return Err(EngineError::Config(format!(
+                    "bad draft settings: n_max {} n_min {} p_min {}",
+                    s.n_max, s.n_min, s.p_min
+                )));
+            }
+        }
+        self.kv_types
+            .check()
+            .map_err(|e| EngineError::Config(e.to_string()))
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    pub sampler: SamplerConfig,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Timings {
+    pub prompt_n: usize,
+    pub prompt_ms: f64,
+    pub predicted_n: usize,
+    pub predicted_ms: f64,
+    pub draft_n: u64,
+    pub draft_n_accepted: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-generation token or a stop string.
+    Stop,
+    /// max_tokens or the slot window.
+    Length,
+    Cancelled,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finish {
+    pub reason: FinishReason,
+    pub stop_word: Option<String>,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    pub timings: Timings,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// The request has a slot; `cached_tokens` of its prompt were reused from the slot.
+    Started {
+        slot: usize,
+        cached_tokens: usize,
+    },
+    /// A generated token and the text it completes (stop-string-safe, whole UTF-8).
+    Token {
+        id: u32,
+        text: String,
+    },
+    /// Text held back (for a stop string that never came), released at the end.
+    Text(String),
+    Done(Finish),
+    Error(EngineError),
+}
+
+pub struct RequestHandle {
+    pub events: Receiver<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl RequestHandle {
+    /// Stops the request at the next step; its slot is freed.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+
+    /// Waits for the whole result: the tokens, the text and how it ended.
+    pub fn collect(self) -> Result<(Vec<u32>, String, Finish), EngineError> {
+        let (mut ids, mut text) = (Vec::new(), String::new());
+        for ev in self.events.iter() {
+            match ev {
+                Event::Started { .. } => {}
+                Event::Text(t) => text.push_str(&t),
+                Event::Token { id, text: t } => {
+                    ids.push(id);
+                    text.push_str(&t);
+                }
+                Event::Done(f) => return Ok((ids, text, f)),
+                Event::Error(e) => return Err(e),
+            }
+        }
+        Err(EngineError::Stopped)
+    }
+}
+
+/// Counters for `/metrics` (llama-server's families) and `/slots`.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Metrics {
+    pub prompt_tokens_total: u64,
+    pub prompt_tokens_cached_total: u64,
+    pub prompt_seconds_total: f64,
+    pub tokens_predicted_total: u64,
+    pub tokens_predicted_seconds_total: f64,
+    pub n_decode_total: u64,
+    pub n_tokens_max: u64,
+    pub n_busy_slots_total: u64,
+    pub requests_processing: u64,
+    pub requests_deferred: u64,
+    pub spec: SpecStats,
+    /// Per slot: (is_processing, tokens in the slot's cache).
+    pub slots: Vec<(bool, usize)>,
+}
+
+struct Submitted {
+    req: Request,
+    tx: Sender<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+enum Phase {
+    /// Feeding prompt tokens from `next`.
+    Prefill {
+        next: usize,
+    },
+    Decode,
+}
+
+struct Task {
+    req: Request,
+    tx: Sender<Event>,
+    cancel: Arc<AtomicBool>,
+    phase: Phase,
+    cached: usize,
+    generated: Vec<u32>,
+    bytes: Vec<u8>,
+    /// Bytes of `bytes` already sent as text.
+    sent: usize,
+    t_start: Instant,
+    t_decode: Option<Instant>,
+    prompt_ms: f64,
+    stats_at_start: SpecStats,
+}
+
+/// The recurrent state, MTP hidden and positions at the end of the last prompt: where a
+/// follow-up request that shares that prompt resumes.
+struct PromptCheckpoint<B: Backend> {
+    pos: usize,
+    rs: Vec<Option<B::Rs>>,
+    pending_h: Option<Vec<f32>>,
+}
+
+struct Slot<B: Backend> {
+    dec: SlotDecoder<B>,
+    /// Every token fed to the trunk, in order (the prefix cache key).
+    tokens: Vec<u32>,
+    ckpt: Option<PromptCheckpoint<B>>,
+    task: Option<Task>,
+}
+
+pub struct Engine {
+    tx: Option<Sender<Submitted>>,
+    worker: Option<JoinHandle<()>>,
+    metrics: Arc<Mutex<Metrics>>,
+    pub config: EngineConfig,
+    pub n_vocab: usize,
+}
+
+impl Engine {
+    /// Starts the worker thread that owns the model and the backend.
+    pub fn start<B: Backend + 'static>(
+        model: Model<B>,
+        be: B,
+        tok: Arc<Tokenizer>,
+        config: EngineConfig,
+    ) -> Result<Engine, EngineError>
+    where
+        B::W: 'static,
+    {
+        config.validate(model.cfg.context_length, model.cfg.has_mtp())?;
+        let n_vocab = model.cfg.n_vocab;
+        let metrics = Arc::new(Mutex::new(Metrics {
+            slots: vec![(false, 0); config.parallel],
+            ..Default::default()
+        }));
+        let (tx, rx) = mpsc::channel::<Submitted>();
+        let cfg = config.clone();
+        let m2 = metrics.clone();
+        let worker = std::thread::Builder::new()
+            .name("tern-engine".into())
+            .spawn(move || {
+                let mut w = match Worker::new(model, be, tok, cfg, m2) {
+                    Ok(w) => w,
+                    Err(e) => {
+                        // Fail every request rather than dying silently.
+                        for s in rx.iter() {
+                            let _ = s.tx.send(Event::Error(e.clone()));
+                        }
+                        return;
+                    }
+                };
+                w.run(rx);
+            })
+            .map_err(|e| EngineError::Model(format!("cannot start the engine thread: {e}")))?;
+        Ok(Engine {
+            tx: Some(tx),
+            worker: Some(worker),
+            metrics,
+            config,
+            n_vocab,
+        })
+    }
+
+    /// Queues a request; it waits for a free slot if all are busy.
+    pub fn submit(&self, req: Request) -> RequestHandle {
+        let (tx, rx) = mpsc::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let sub = Submitted {
+            req,
+            tx: tx.clone(),
+            cancel: cancel.clone(),
+        };
+        match &self.tx {
+            Some(t) if t.send(sub).is_ok() => {}
+            _ => {
+                let _ = tx.send(Event::Error(EngineError::Stopped));
+            }
+        }
+        RequestHandle { events: rx, cancel }
+    }
+
+    pub fn metrics(&self) -> Metrics {
+        self.metrics.lock().unwrap().clone()
+    }
+
+    /// Stops accepting work, cancels what is in flight and joins the worker.
+    pub fn shutdown(&mut self) {
+        self.tx.take();
+        if let Some(w) = self.worker.take() {
+            let _ = w.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+struct Worker<B: Backend> {
+    model: Model<B>,
+    be: B,
+    tok: Arc<Tokenizer>,
+    cfg: EngineConfig,
+    slots: Vec<Slot<B>>,
+    queue: VecDeque<Submitted>,
+    metrics: Arc<Mutex<Metrics>>,
+    closed: bool,
+}
+
+/// The text of `bytes` up to an incomplete trailing UTF-8 sequence (held back until its last
+/// byte arrives); invalid bytes become U+FFFD as in a lossy decode. Returns the text and the
+/// bytes it consumed.
+pub fn utf8_prefix(bytes: &[u8]) -> (String, usize) {
+    let mut out = String::new();
+    let mut i = 0;
+    loop {
+        match std::str::from_utf8(&bytes[i..]) {
+            Ok(s) => {
+                out.push_str(s);
+                return (out, bytes.len());
+            }
+            Err(e) => {
+                let good = i + e.valid_up_to();
+                out.push_str(std::str::from_utf8(&bytes[i..good]).expect("valid prefix"));
+                match e.error_len() {
+                    Some(n) => {
+                        out.push('\u{FFFD}');
+                        i = good + n;
+                    }
+                    None => return (out, good),
+                }
+            }
+        }
+    }
+}
+
+fn floor_char_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+fn model_err(e: ModelError) -> EngineError {
+    EngineError::Model(e.to_string())
+}
+
+impl<B: Backend> Worker<B> {
+    fn new(
+        model: Model<B>,
+        be: B,
+        tok: Arc<Tokenizer>,
+        cfg: EngineConfig,
+        metrics: Arc<Mutex<Metrics>>,
+    ) -> Result<Self, EngineError> {
+        let mut slots = Vec::with_capacity(cfg.parallel);
+        for _ in 0..cfg.parallel {
+            let seq = model.new_state_with(&be, cfg.kv_types).map_err(model_err)?;
+            let dec = SlotDecoder::new(
+                &model,
+                &be,
+                seq,
+                Sampler::new(SamplerConfig::greedy()),
+                cfg.spec.is_some(),
+            )
+            .map_err(model_err)?;
+            slots.push(Slot {
+                dec,
+                tokens: Vec::new(),
+                ckpt: None,
+                task: None,
+            });
+        }
+        Ok(Worker {
+            model,
+            be,
+            tok,
+            cfg,
+            slots,
+            queue: VecDeque::new(),
+            metrics,
+            closed: false,
+        })
+    }
+
+    fn run(&mut self, rx: Receiver<Submitted>) {
+        loop {
+            let busy = self.slots.iter().any(|s| s.task.is_some());
+            // Block only when there is nothing to do.
+            if !busy && self.queue.is_empty() {
+                if self.closed {
+                    return;
+                }
+                match rx.recv() {
+                    Ok(s) => self.queue.push_back(s),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match rx.try_recv() {
+                    Ok(s) => self.queue.push_back(s),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        self.closed = true;
+                        break;
+                    }
+                }
+            }
+            if self.closed {
+                // Shutdown: cancel everything still queued or running.
+                for s in self.queue.drain(..) {
+                    let _ = s.tx.send(Event::Error(EngineError::Stopped));
+                }
+                for i in 0..self.slots.len() {
+                    if self.slots[i].task.is_some() {
+                        self.finish(i, FinishReason::Cancelled, None);
+                    }
+                }
+                return;
+            }
+            self.assign();
+            self.publish();
+            // A bug in a step must fail the requests in flight, not kill the engine.
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()))
+                .unwrap_or_else(|p| {
+                    let why = p
+                        .downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_default();
+                    Err(EngineError::Model(format!("internal error: {why}")))
+                });
+            if let Err(e) = r {
+                // A model error fails the requests in flight, never the process.
+                for i in 0..self.slots.len() {
+                    if let Some(t) = self.slots[i].task.take() {
+                        let _ = t.tx.send(Event::Error(e.clone()));
+                        self.reset_slot(i);
+                    }
+                }
+            }
+            self.publish();
+        }
+    }
+
+    fn publish(&self) {
+        let mut m = self.metrics.lock().unwrap();
+        m.requests_processing = self.slots.iter().filter(|s| s.task.is_some()).count() as u64;
+        m.requests_deferred = self.queue.len() as u64;
+        m.slots = self
+            .slots
+            .iter()
+            .map(|s| (s.task.is_some(), s.tokens.len()))
+            .collect();
+    }
+
+    fn reset_slot(&mut self, i: usize) {
+        let s = &mut self.slots[i];
+        for kv in s.dec.seq.kv.iter_mut().flatten() {
+            self.be.kv_truncate(kv, 0);
+        }
+        let gp = self.model.cfg.gdn_params();
+        let zero = self.be.new_recurrent(&gp);
+        for r in s.dec.seq.rs.iter_mut().flatten() {
+            self.be.recurrent_copy(&zero, r);
+        }
+        s.dec.seq.pos = 0;
+        if let Some(m) = s.dec.mtp.as_mut() {
+            self.be.kv_truncate(&mut m.state.kv, 0);
+            m.state.pos = 0;
+            m.pending_h.iter_mut().for_each(|v| *v = 0.0);
+        }
+        s.tokens.clear();
+        s.ckpt = None;
+    }
+
+    /// Rolls a slot back to `pos`, which is either its end or its prompt checkpoint.
+    fn rewind(&mut self, i: usize, pos: usize) {
+        let s = &mut self.slots[i];
+        if pos == s.tokens.len() {
+            return;
+        }
+        let ck = s.ckpt.as_ref().expect("rewind to the prompt checkpoint");
+        debug_assert_eq!(ck.pos, pos);
+        for (c, r) in ck.rs.iter().zip(s.dec.seq.rs.iter_mut()) {
+            if let (Some(c), Some(r)) = (c.as_ref(), r.as_mut()) {
+                self.be.recurrent_copy(c, r);
+            }
+        }
+        for kv in s.dec.seq.kv.iter_mut().flatten() {
+            self.be.kv_truncate(kv, pos);
+        }
+        s.dec.seq.pos = pos;
+        if let (Some(m), Some(h)) = (s.dec.mtp.as_mut(), ck.pending_h.as_ref()) {
+            self.be.kv_truncate(&mut m.state.kv, pos);
+            m.state.pos = pos;
+            m.pending_h = h.clone();
+        }
+        s.tokens.truncate(pos);
+    }
+
+    /// How much of `prompt` slot `i` can reuse: its whole history when the prompt extends it,
+    /// else its last prompt when the prompt extends that; at least one token is left to run.
+    fn reusable(&self, i: usize, prompt: &[u32]) -> usize {
+        let s = &self.slots[i];
+        let common = s
+            .tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        if common == s.tokens.len() && common < prompt.len() {
+            return common;
+        }
+        match &s.ckpt {
+            Some(ck) if ck.pos <= common && ck.pos < prompt.len() => ck.pos,
+            _ => 0,
+        }
+    }
+
+    fn assign(&mut self) {
+        while let Some(sub) = self.queue.front() {
+            if sub.cancel.load(Ordering::Relaxed) {
+                let sub = self.queue.pop_front().unwrap();
+                let _ = sub.tx.send(Event::Error(EngineError::Config(
+                    "cancelled before it started".into(),
+                )));
+                continue;
+            }
+            let n_ctx_slot = self.cfg.n_ctx_slot();
+            let err = if sub.req.prompt.is_empty() {
+                Some(EngineError::EmptyPrompt)
+            } else if sub.req.prompt.len() >= n_ctx_slot {
+                Some(EngineError::PromptTooLong {
+                    n_prompt: sub.req.prompt.len(),
+                    n_ctx_slot,
+                })
+            } else if let Some(&id) = sub
+                .req
+                .prompt
+                .iter()
+                .find(|&&t| t as usize >= self.model.cfg.n_vocab)
+            {
+                Some(EngineError::Model(format!(
+                    "token id {id} is outside the vocabulary of {}",
+                    self.model.cfg.n_vocab
+                )))
+            } else {
+                sub.req.sampler.validate().err().map(EngineError::Sampling)
+            };
+            if let Some(e) = err {
+                let sub = self.queue.pop_front().unwrap();
+                let _ = sub.tx.send(Event::Error(e));
+                continue;
+            }
+            // The free slot that reuses the most of this prompt.
+            let free: Vec<usize> = (0..self.slots.len())
+                .filter(|&i| self.slots[i].task.is_none())
+                .collect();
+            let Some(&best) = free
+                .iter()
+                .max_by_key(|&&i| (self.reusable(i, &sub.req.prompt), usize::MAX - i))
+            else {
+                return;
+            };
+            let sub = self.queue.pop_front().unwrap();
+            let reuse = self.reusable(best, &sub.req.prompt);
+            if reuse == 0 {
+                self.reset_slot(best);
+            } else {
+                self.rewind(best, reuse);
+            }
+            let slot = &mut self.slots[best];
+            slot.dec.sampler = Sampler::new(sub.req.sampler.clone());
+            slot.dec.last = None;
+            let _ = sub.tx.send(Event::Started {
+                slot: best,
+                cached_tokens: reuse,
+            });
+            slot.task = Some(Task {
+                req: sub.req,
+                tx: sub.tx,
+                cancel: sub.cancel,
+                phase: Phase::Prefill { next: reuse },
+                cached: reuse,
+                generated: Vec::new(),
+                bytes: Vec::new(),
+                sent: 0,
+                t_start: Instant::now(),
+                t_decode: None,
+                prompt_ms: 0.0,
+                stats_at_start: slot.dec.stats.clone(),
+            });
+        }
+    }
+
+    /// One batched step over every busy slot.
+    fn step(&mut self) -> Result<(), EngineError> {
+        // Cancelled requests free their slots first.
+        for i in 0..self.slots.len() {
+            let cancelled = self.slots[i]
+                .task
+                .as_ref()
+                .is_some_and(|t| t.cancel.load(Ordering::Relaxed));
+            if cancelled {
+                self.finish(i, FinishReason::Cancelled, None);
+            }
+        }
+        let spec = self.cfg.spec.clone();
+        let n_ctx_slot = self.cfg.n_ctx_slot();
+        // What each busy slot feeds this step.
+        let mut plan: Vec<(usize, Vec<u32>, bool, bool)> = Vec::new(); // (slot, tokens, all_rows, is_prefill)
+        for i in 0..self.slots.len() {
+            let Some(task) = self.slots[i].task.as_ref() else {
+                continue;
+            };
+            match task.phase {
+                Phase::Prefill { next } => {
+                    let end = (next + self.cfg.ubatch).min(task.req.prompt.len());
+                    let chunk = task.req.prompt[next..end].to_vec();
+                    let rows = self.slots[i].dec.wants_rows();
+                    plan.push((i, chunk, rows, true));
+                }
+                Phase::Decode => {
+                    let room = n_ctx_slot.saturating_sub(self.slots[i].dec.seq.pos + 1);
+                    let drafts = match &spec {
+                        Some(sp) => {
+                            let s = &mut self.slots[i];
+                            s.dec
+                                .draft(&self.model, &self.be, sp, room)
+                                .map_err(model_err)?
+                        }
+                        None => Vec::new(),
+                    };
+                    let batch = self.slots[i].dec.begin_verify(&self.be, &drafts);
+                    let rows = !drafts.is_empty() || self.slots[i].dec.wants_rows();
+                    plan.push((i, batch, rows, false));
+                }
+            }
+        }
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let n_tokens: usize = plan.iter().map(|p| p.1.len()).sum();
+        let outs = {
+            let mut seqs: Vec<Option<&mut crate::model::SeqState<B>>> = self
+                .slots
+                .iter_mut()
+                .map(|s| Some(&mut s.dec.seq))
+                .collect();
+            let mut items: Vec<BatchItem<B>> = plan
+                .iter()
+                .map(|(i, toks, rows, _)| BatchItem {
+                    seq: seqs[*i].take().unwrap(),
+                    tokens: toks,
+                    all_rows: *rows,
+                })
+                .collect();
+            self.model
+                .forward_batch(&self.be, &mut items)
+                .map_err(model_err)?
+        };
+        let step_s = t0.elapsed().as_secs_f64();
+        {
+            let mut m = self.metrics.lock().unwrap();
+            m.n_decode_total += 1;
+            m.n_tokens_max = m.n_tokens_max.max(n_tokens as u64);
+            m.n_busy_slots_total += plan.len() as u64;
+        }
+        // Slots whose drafts were rejected replay their kept rows in one more shared batch.
+        let mut replays: Vec<(usize, Vec<u32>, Vec<u32>)> = Vec::new(); // (slot, kept, produced)
+        let mut emitted: Vec<(usize, Vec<u32>)> = Vec::new();
+        for ((i, toks, rows, is_prefill), out) in plan.iter().zip(outs) {
+            let i = *i;
+            if *is_prefill {
+                let s = &mut self.slots[i];
+                s.tokens.extend_from_slice(toks);
+                s.dec
+                    .mtp_process(&self.model, &self.be, toks, &out.h)
+                    .map_err(model_err)?;
+                let task = s.task.as_mut().unwrap();
+                let Phase::Prefill { next } = task.phase else {
+                    unreachable!()
+                };
+                let next = next + toks.len();
+                {
+                    let mut m = self.metrics.lock().unwrap();
+                    m.prompt_tokens_total += toks.len() as u64;
+                    m.prompt_seconds_total += step_s;
+                }
+                if next < task.req.prompt.len() {
+                    task.phase = Phase::Prefill { next };
+                    continue;
+                }
+                // The prompt is in: checkpoint it for prefix reuse, then sample the first token.
+                task.prompt_ms = task.t_start.elapsed().as_secs_f64() * 1e3;
+                task.phase = Phase::Decode;
+                task.t_decode = Some(Instant::now());
+                let gp = self.model.cfg.gdn_params();
+                let rs = s
+                    .dec
+                    .seq
+                    .rs
+                    .iter()
+                    .map(|r| {
+                        r.as_ref().map(|r| {
+                            let mut c = self.be.new_recurrent(&gp);
+                            self.be.recurrent_copy(r, &mut c);
+                            c
+                        })
+                    })
+                    .collect();
+                s.ckpt = Some(PromptCheckpoint {
+                    pos: s.tokens.len(),
+                    rs,
+                    pending_h: s.dec.mtp.as_ref().map(|m| m.pending_h.clone()),
+                });
+                let n = if *rows { toks.len() } else { 1 };
+                let id = s.dec.sample_row(&self.be, &out.logits, n - 1, n);
+                s.dec.last = Some(id);
+                emitted.push((i, vec![id]));
+            } else {
+                let s = &mut self.slots[i];
+                let v = s.dec.finish_verify(&self.be, &out, toks, *rows);
+                match v.replay {
+                    Some(kept) => replays.push((i, kept, v.produced)),
+                    None => {
+                        s.tokens.extend_from_slice(toks);
+                        s.dec
+                            .mtp_process(&self.model, &self.be, toks, &out.h)
+                            .map_err(model_err)?;
+                        emitted.push((i, v.produced));
+                    }
+                }
+            }
+        }
+        if !replays.is_empty() {
+            let outs = {
+                let mut seqs: Vec<Option<&mut crate::model::SeqState<B>>> = self
+                    .slots
+                    .iter_mut()
+                    .map(|s| Some(&mut s.dec.seq))
+                    .collect();
+                let mut items: Vec<BatchItem<B>> = replays
+                    .iter()
+                    .map(|(i, kept, _)| BatchItem {
+                        seq: seqs[*i].take().unwrap(),
+                        tokens: kept,
+                        all_rows: true,
+                    })
+                    .collect();
+                self.model
+                    .forward_batch(&self.be, &mut items)
+                    .map_err(model_err)?
+            };
+            for ((i, kept, produced), out) in replays.into_iter().zip(outs) {
+                let s = &mut self.slots[i];
+                s.tokens.extend_from_slice(&kept);
+                s.dec
+                    .mtp_process(&self.model, &self.be, &kept, &out.h)
+                    .map_err(model_err)?;
+                emitted.push((i, produced));
+            }
+        }
+        for (i, ids) in emitted {
+            for id in ids {
+                if self.slots[i].task.is_none() {
+                    break;
+                }
+                self.emit(i, id);
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands one generated token to the request and checks its stop conditions.
+    fn emit(&mut self, i: usize, id: u32) {
+        let n_ctx_slot = self.cfg.n_ctx_slot();
+        let pos = self.slots[i].dec.seq.pos;
+        let tok = self.tok.clone();
+        let task = self.slots[i].task.as_mut().unwrap();
+        if tok.is_eog(id) && !task.req.ignore_eos {
+            self.finish(i, FinishReason::Stop, None);
+            return;
+        }
+        task.generated.push(id);
+        task.bytes
+            .extend(tok.decode_bytes(&[id], true).unwrap_or_default());
+        let (text, _) = utf8_prefix(&task.bytes);
+        let valid = text.len();
+        let mut stop_hit = None;
+        let mut safe = valid;
+        for s in task.req.stop.iter().filter(|s| !s.is_empty()) {
+            let from = floor_char_boundary(&text, task.sent.saturating_sub(s.len()));
+            if let Some(at) = text[from..].find(s.as_str()) {
+                let at = at + from;
+                if stop_hit.as_ref().is_none_or(|(a, _)| at < *a) {
+                    stop_hit = Some((at, s.clone()));
+                }
+            } else {
+                // Hold back a tail that could still become this stop string.
+                for k in (1..s.len()).rev() {
+                    if text.len() >= k && s.is_char_boundary(k) && text.ends_with(&s[..k]) {
+                        safe = safe.min(text.len() - k);
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some((at, word)) = stop_hit {
+            let piece = text[task.sent.min(at)..at].to_string();
+            task.sent = at;
+            let _ = task.tx.send(Event::Token { id, text: piece });
+            self.finish(i, FinishReason::Stop, Some(word));
+            return;
+        }
+        let piece = text[task.sent.min(safe)..safe].to_string();
+        task.sent = task.sent.max(safe);
+        if task.tx.send(Event::Token { id, text: piece }).is_err() {
+            // The client is gone: free the slot.
+            self.finish(i, FinishReason::Cancelled, None);
+            return;
+        }
+        if task.generated.len() >= task.req.max_tokens || pos + 1 >= n_ctx_slot {
+            self.finish(i, FinishReason::Length, None);
+        }
+    }
+
+    fn finish(&mut self, i: usize, reason: FinishReason, stop_word: Option<String>) {
+        let Some(mut task) = self.slots[i].task.take() else {
+            return;
+        };
+        // Text held back for a stop string that never came is still the model's output.
+        if reason != FinishReason::Stop || stop_word.is_none() {
+            let valid = String::from_utf8_lossy(&task.bytes).to_string();
+            if task.sent < valid.len() && reason != FinishReason::Cancelled {
+                let _ = task.tx.send(Event::Text(valid[task.sent..].to_string()));
+                task.sent = valid.len();
+            }
+        }
+        let mut stats = self.slots[i].dec.stats.clone();
+        stats.drafts -= task.stats_at_start.drafts;
+        stats.drafted -= task.stats_at_start.drafted;
+        stats.accepted -= task.stats_at_start.accepted;
+        for (a, b) in stats
+            .accepted_per_pos
+            .iter_mut()
+            .zip(&task.stats_at_start.accepted_per_pos)
+        {
+            *a -= b;
+        }
+        let predicted_ms = task
+            .t_decode
+            .map(|t| t.elapsed().as_secs_f64() * 1e3)
+            .unwrap_or(0.0);
+        let prompt_n = task.req.prompt.len() - task.cached;
+        let timings = Timings {
+            prompt_n,
+            prompt_ms: task.prompt_ms,
+            predicted_n: task.generated.len(),
+            predicted_ms,
+            draft_n: stats.drafted,
+            draft_n_accepted: stats.accepted,
+        };
+        {
+            let mut m = self.metrics.lock().unwrap();
+            m.prompt_tokens_cached_total += task.cached as u64;
+            m.tokens_predicted_total += task.generated.len() as u64;
+            m.tokens_predicted_seconds_total += predicted_ms / 1e3;
+            m.spec.add(&stats);
+        }
+        let _ = task.tx.send(Event::Done(Finish {
+            reason,
+            stop_word,
+            prompt_tokens: task.req.prompt.len(),
+            cached_tokens: task.cached,
+            completion_tokens: task.generated.len(),
+            timings,
+        }));
+    }
+}

@@ -1,0 +1,274 @@
+//! The serving engine: slots decoded together, queueing beyond the slots, prefix reuse, MTP
+//! drafting across several slots, stop conditions, cancellation and the slot window.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tern::backend::{Backend, KvTypes};
+use tern::gguf::Gguf;
+use tern::model::Model;
+use tern::runtime::engine::{Engine, EngineConfig, EngineError, Event, FinishReason, Request};
+use tern::runtime::sampler::{Sampler, SamplerConfig};
+use tern::runtime::speculative::{Generator, SpecConfig};
+use tern::tensor::GgmlType;
+use tern::tokenizer::Tokenizer;
+
+fn path(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(name)
+}
+
+fn engine<B: Backend + 'static>(be: B, file: &str, cfg: EngineConfig) -> Result<Engine, EngineError>
+where
+    B::W: 'static,
+{
+    let g = Arc::new(Gguf::open(path(file)).unwrap());
+    let tok = Arc::new(Tokenizer::from_gguf(&g).unwrap());
+    let m = Model::load(&be, g).unwrap();
+    Engine::start(m, be, tok, cfg)
+}
+
+fn cfg(parallel: usize, spec: Option<SpecConfig>) -> EngineConfig {
+    EngineConfig {
+        ctx_size: 512 * parallel,
+        parallel,
+        ubatch: 16,
+        kv_types: KvTypes::default(),
+        spec,
+    }
+}
+
+fn req(prompt: Vec<u32>, n: usize) -> Request {
+    Request {
+        prompt,
+        max_tokens: n,
+        sampler: SamplerConfig::greedy(),
+        stop: vec![],
+        ignore_eos: true,
+    }
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    (0..5)
+        .map(|k| {
+            (0..(9 + 7 * k))
+                .map(|i| ((i * 31 + k * 17) % 400 + 20) as u32)
+                .collect()
+        })
+        .collect()
+}
+
+/// Greedy tokens for one prompt computed alone, without the engine.
+fn alone<B: Backend>(be: &B, file: &str, prompt: &[u32], n: usize) -> Vec<u32> {
+    let m = Model::open(be, path(file)).unwrap();
+    let mut g = Generator::new(
+        &m,
+        be,
+        m.new_state(be),
+        Sampler::new(SamplerConfig::greedy()),
+        None,
+    )
+    .unwrap();
+    let mut out = vec![g.prefill(prompt).unwrap()];
+    while out.len() < n {
+        out.extend(g.step().unwrap());
+    }
+    out.truncate(n);
+    out
+}
+
+#[test]
+fn concurrent_requests_over_fewer_slots_match_each_alone() {
+    let be = common::cpu();
+    for spec in [
+        None,
+        Some(SpecConfig {
+            n_max: 2,
+            n_min: 0,
+            p_min: 0.0,
+        }),
+    ] {
+        let e = engine(common::cpu(), "tiny-q8_0.gguf", cfg(3, spec.clone())).unwrap();
+        let handles: Vec<_> = prompts()
+            .into_iter()
+            .map(|p| e.submit(req(p, 24)))
+            .collect();
+        for (p, h) in prompts().iter().zip(handles) {
+            let (ids, _text, fin) = h.collect().unwrap();
+            assert_eq!(fin.reason, FinishReason::Length);
+            assert_eq!(fin.completion_tokens, 24);
+            assert_eq!(
+                ids,
+                alone(&be, "tiny-q8_0.gguf", p, 24),
+                "spec {spec:?}: batched decoding changed the tokens"
+            );
+            if spec.is_some() {
+                assert!(fin.timings.draft_n > 0, "drafting ran");
+            }
+        }
+        let m = e.metrics();
+        assert_eq!(m.tokens_predicted_total, 5 * 24);
+        assert!(
+            m.n_busy_slots_total > m.n_decode_total,
+            "slots shared steps"
+        );
+        if spec.is_some() {
+            assert!(m.spec.drafted > 0);
+        }
+    }
+}
+
+#[test]
+fn a_follow_up_reuses_the_slot_prefix() {
+    let be = common::cpu();
+    let e = engine(
+        common::cpu(),
+        "tiny-f32.gguf",
+        cfg(1, Some(SpecConfig::default())),
+    )
+    .unwrap();
+    let p1: Vec<u32> = (0..40).map(|i| (i * 13 % 300 + 30) as u32).collect();
+    let (g1, _, f1) = e.submit(req(p1.clone(), 10)).collect().unwrap();
+    assert_eq!(f1.cached_tokens, 0);
+    // The conversation continues: previous prompt + reply + new text.
+    let mut p2 = p1.clone();
+    p2.extend(&g1);
+    p2.extend([77, 78, 79]);
+    let (g2, _, f2) = e.submit(req(p2.clone(), 10)).collect().unwrap();
+    assert_eq!(
+        f2.cached_tokens,
+        p1.len() + g1.len() - 1,
+        "everything fed to the slot is reused"
+    );
+    assert_eq!(f2.timings.prompt_n, p2.len() - f2.cached_tokens);
+    assert_eq!(g2, alone(&be, "tiny-f32.gguf", &p2, 10));
+    // A branch at the end of the last prompt (e.g. a regenerated reply) rewinds to its
+    // checkpoint: the recurrent state is not reversible, so only that point and the slot's end
+    // are resumable.
+    let mut p3 = p2.clone();
+    p3.extend([5, 6, 7]);
+    let (g3, _, f3) = e.submit(req(p3.clone(), 8)).collect().unwrap();
+    assert_eq!(f3.cached_tokens, p2.len());
+    assert_eq!(g3, alone(&be, "tiny-f32.gguf", &p3, 8));
+    // Unrelated: nothing reused.
+    let (_, _, f4) = e.submit(req(vec![1, 2, 3], 4)).collect().unwrap();
+    assert_eq!(f4.cached_tokens, 0);
+}
+
+#[test]
+fn quantized_cache_types_run() {
+    let mut c = cfg(2, None);
+    c.kv_types = KvTypes {
+        k: GgmlType::F16,
+        v: GgmlType::Q8_0,
+    };
+    let e = engine(common::cpu(), "tiny-q8_0.gguf", c).unwrap();
+    let (ids, _, fin) = e.submit(req(prompts()[0].clone(), 12)).collect().unwrap();
+    assert_eq!((ids.len(), fin.reason), (12, FinishReason::Length));
+}
+
+#[test]
+fn bad_shapes_and_requests_are_errors() {
+    let mut c = cfg(3, None);
+    c.ctx_size = 1000;
+    assert!(matches!(
+        engine(common::cpu(), "tiny-q8_0.gguf", c).err(),
+        Some(EngineError::UnevenPool { .. })
+    ));
+    let mut c = cfg(1, None);
+    c.ctx_size = 8192;
+    assert!(matches!(
+        engine(common::cpu(), "tiny-q8_0.gguf", c).err(),
+        Some(EngineError::WindowTooLong { .. })
+    ));
+    assert!(
+        engine(
+            common::cpu(),
+            "tiny-tied-f32.gguf",
+            cfg(1, Some(SpecConfig::default()))
+        )
+        .is_err(),
+        "no MTP block"
+    );
+
+    let mut c = cfg(2, None);
+    c.ctx_size = 64;
+    let e = engine(common::cpu(), "tiny-q8_0.gguf", c).unwrap();
+    let long: Vec<u32> = (0..40).map(|i| i + 10).collect();
+    match e.submit(req(long, 4)).collect() {
+        Err(EngineError::PromptTooLong {
+            n_prompt: 40,
+            n_ctx_slot: 32,
+        }) => {}
+        other => panic!("expected the slot window error, got {other:?}"),
+    }
+    assert_eq!(
+        e.submit(req(vec![], 4)).collect().unwrap_err(),
+        EngineError::EmptyPrompt
+    );
+    assert!(e
+        .submit(req(vec![1, 999_999], 4))
+        .collect()
+        .unwrap_err()
+        .to_string()
+        .contains("999999"));
+    let mut r = req(vec![1, 2], 4);
+    r.sampler.top_p = 7.0;
+    assert!(e
+        .submit(r)
+        .collect()
+        .unwrap_err()
+        .to_string()
+        .contains("top_p"));
+    // Generation stops at the window.
+    let (ids, _, fin) = e.submit(req((0..20).collect(), 100)).collect().unwrap();
+    assert_eq!(fin.reason, FinishReason::Length);
+    assert_eq!(
+        20 + ids.len(),
+        32,
+        "prompt + generated fill the 32-token window"
+    );
+}
+
+#[test]
+fn cancel_frees_the_slot_and_stop_strings_end_text() {
+    let e = engine(common::cpu(), "tiny-q8_0.gguf", cfg(1, None)).unwrap();
+    let h = e.submit(req(prompts()[1].clone(), 400));
+    // Wait for the first token, then cancel.
+    loop {
+        if let Event::Token { .. } = h.events.recv().unwrap() {
+            break;
+        }
+    }
+    h.cancel();
+    let fin = loop {
+        match h.events.recv().unwrap() {
+            Event::Done(f) => break f,
+            _ => continue,
+        }
+    };
+    assert_eq!(fin.reason, FinishReason::Cancelled);
+    // The single slot is free again.
+    let (_, text, _) = e.submit(req(prompts()[2].clone(), 30)).collect().unwrap();
+    assert!(!text.is_empty());
+    // A stop string taken from that output ends the same request early, excluded from the text.
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[chars.len() / 2..chars.len() / 2 + 2].iter().collect();
+    let mut r = req(prompts()[2].clone(), 30);
+    r.stop = vec![stop.clone()];
+    let (_, t2, f2) = e.submit(r).collect().unwrap();
+    assert_eq!(
+        f2.reason,
+        FinishReason::Stop,
+        "text {text:?} stop {stop:?} got {t2:?}"
+    );
+    assert_eq!(f2.stop_word.as_deref(), Some(stop.as_str()));
+    assert!(
+        text.starts_with(&t2) && !t2.contains(&stop),
+        "{t2:?} vs {text:?} stop {stop:?}"
+    );
+    assert_eq!(t2, text[..text.find(&stop).unwrap()]);
+}
