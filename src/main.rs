@@ -3,15 +3,19 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
 use tern::backend::cpu::CpuBackend;
 use tern::backend::wgpu::WgpuBackend;
 use tern::backend::Backend;
+use tern::backend::KvTypes;
 use tern::gguf::Gguf;
 use tern::model::Model;
-use tern::runtime::sampler::{Sampler, SamplerConfig};
+use tern::runtime::engine::{Engine, EngineConfig, Event, Request};
+use tern::runtime::sampler::SamplerConfig;
+use tern::runtime::speculative::SpecConfig;
+use tern::tensor::GgmlType;
 use tern::tokenizer::Tokenizer;
 
 #[derive(Parser)]
@@ -96,7 +100,66 @@ enum Cmd {
         frequency_penalty: Option<f32>,
         #[arg(long, value_enum, default_value = "auto")]
         backend: BackendName,
+        #[command(flatten)]
+        engine: EngineArgs,
     },
+}
+
+#[derive(Copy, Clone, Debug, ValueEnum, PartialEq)]
+enum SpecType {
+    None,
+    DraftMtp,
+}
+
+/// Slots, pool and drafting, with llama-server's flag names.
+#[derive(clap::Args, Debug)]
+struct EngineArgs {
+    /// Concurrent streams (slots); generate runs the prompt once per slot.
+    #[arg(long, short = 'P', default_value_t = 1)]
+    parallel: usize,
+    /// The KV pool in tokens, shared evenly by the slots (default 4096 per slot, capped at the
+    /// trained context).
+    #[arg(long = "ctx-size", short = 'c')]
+    ctx_size: Option<usize>,
+    #[arg(long = "ubatch-size", default_value_t = 512)]
+    ubatch_size: usize,
+    #[arg(long = "cache-type-k", default_value = "f16")]
+    cache_type_k: String,
+    #[arg(long = "cache-type-v", default_value = "f16")]
+    cache_type_v: String,
+    #[arg(long = "spec-type", value_enum, default_value = "none")]
+    spec_type: SpecType,
+    #[arg(long = "spec-draft-n-max", default_value_t = 3)]
+    spec_draft_n_max: usize,
+    #[arg(long = "spec-draft-n-min", default_value_t = 0)]
+    spec_draft_n_min: usize,
+    #[arg(long = "spec-draft-p-min", default_value_t = 0.0)]
+    spec_draft_p_min: f32,
+}
+
+impl EngineArgs {
+    fn config(&self, trained: usize) -> Result<EngineConfig> {
+        let parse = |flag: &str, v: &str| {
+            GgmlType::parse_name(v).ok_or_else(|| {
+                anyhow::anyhow!("--{flag} {v:?}: expected f32, f16, bf16, q8_0 or q4_0")
+            })
+        };
+        let parallel = self.parallel.max(1);
+        Ok(EngineConfig {
+            ctx_size: self.ctx_size.unwrap_or(4096.min(trained) * parallel),
+            parallel,
+            ubatch: self.ubatch_size,
+            kv_types: KvTypes {
+                k: parse("cache-type-k", &self.cache_type_k)?,
+                v: parse("cache-type-v", &self.cache_type_v)?,
+            },
+            spec: (self.spec_type == SpecType::DraftMtp).then(|| SpecConfig {
+                n_max: self.spec_draft_n_max,
+                n_min: self.spec_draft_n_min,
+                p_min: self.spec_draft_p_min,
+            }),
+        })
+    }
 }
 
 fn open_file(model: Option<PathBuf>) -> Result<Arc<Gguf>> {
@@ -195,6 +258,7 @@ fn main() -> Result<()> {
             presence_penalty,
             frequency_penalty,
             backend,
+            engine,
         } => {
             let file = open_file(model)?;
             let d = SamplerConfig::from_gguf(&file);
@@ -210,7 +274,7 @@ fn main() -> Result<()> {
             };
             sampler.validate().map_err(anyhow::Error::msg)?;
             on_backend!(pick_backend(backend)?, |be| generate(
-                &be, file, &prompt, n_predict, sampler
+                be, file, &prompt, n_predict, sampler, &engine
             ))
         }
     }
@@ -235,76 +299,90 @@ fn logits_rows<B: Backend>(
     })
 }
 
-fn generate<B: Backend>(
-    be: &B,
+fn generate<B: Backend + 'static>(
+    be: B,
     file: Arc<Gguf>,
     prompt: &str,
     n: usize,
     sc: SamplerConfig,
-) -> Result<()> {
-    let tok = Tokenizer::from_gguf(&file)?;
-    let m = Model::load(be, file)?;
+    args: &EngineArgs,
+) -> Result<()>
+where
+    B::W: 'static,
+{
+    let tok = Arc::new(Tokenizer::from_gguf(&file)?);
+    let name = be.name();
+    let m = Model::load(&be, file)?;
+    let cfg = args.config(m.cfg.context_length)?;
     let ids = tok.encode(prompt, true, true)?;
     if ids.is_empty() {
         bail!("the prompt tokenizes to nothing");
     }
-    let mut sampler = Sampler::new(sc.clone());
-    let mut st = m.new_state(be);
+    let engine = Engine::start(m, be, tok, cfg.clone())?;
     let t0 = Instant::now();
-    let out = m.forward(be, &mut st, &ids, false).context("prompt")?;
-    let prefill_s = t0.elapsed().as_secs_f64();
-    let greedy = sampler.is_greedy();
-    let mut next = pick(be, &mut sampler, &out.logits, greedy);
+    let handles: Vec<_> = (0..cfg.parallel)
+        .map(|i| {
+            engine.submit(Request {
+                prompt: ids.clone(),
+                max_tokens: n,
+                sampler: SamplerConfig {
+                    seed: sc.seed + i as u64,
+                    ..sc.clone()
+                },
+                stop: Vec::new(),
+                ignore_eos: false,
+            })
+        })
+        .collect();
+    let mut finishes = Vec::new();
     let mut stdout = std::io::stdout().lock();
-    let mut pending: Vec<u8> = Vec::new();
-    let t1 = Instant::now();
-    let mut produced = 0usize;
-    for i in 0..n {
-        if tok.is_eog(next) {
-            break;
+    for (i, h) in handles.into_iter().enumerate() {
+        if cfg.parallel > 1 {
+            writeln!(stdout, "--- stream {i} ---")?;
         }
-        produced += 1;
-        pending.extend(tok.decode_bytes(&[next], true)?);
-        // Hold back an incomplete UTF-8 sequence until its last byte arrives.
-        let valid = match std::str::from_utf8(&pending) {
-            Ok(s) => s.len(),
-            Err(e) if e.error_len().is_none() => e.valid_up_to(),
-            Err(_) => pending.len(),
+        // Streams as the tokens arrive (the other slots keep decoding meanwhile).
+        let fin = loop {
+            match h.events.recv() {
+                Ok(Event::Token { text, .. }) | Ok(Event::Text(text)) => {
+                    stdout.write_all(text.as_bytes())?;
+                    stdout.flush()?;
+                }
+                Ok(Event::Started { .. }) => {}
+                Ok(Event::Done(f)) => break f,
+                Ok(Event::Error(e)) => bail!("{e}"),
+                Err(_) => bail!("the engine stopped"),
+            }
         };
-        stdout.write_all(&pending[..valid])?;
-        stdout.flush()?;
-        pending.drain(..valid);
-        if i + 1 == n || st.pos >= m.cfg.context_length {
-            break;
-        }
-        let out = m.forward(be, &mut st, &[next], false)?;
-        next = pick(be, &mut sampler, &out.logits, greedy);
+        writeln!(stdout)?;
+        finishes.push(fin);
     }
-    stdout.write_all(&pending)?;
-    writeln!(stdout)?;
-    let decode_s = t1.elapsed().as_secs_f64();
+    let wall = t0.elapsed().as_secs_f64();
+    let total: usize = finishes.iter().map(|f| f.completion_tokens).sum();
+    for (i, f) in finishes.iter().enumerate() {
+        let t = &f.timings;
+        eprintln!(
+            "stream {i}: prompt {} tokens in {:.1} ms ({:.1} t/s); generated {} tokens in {:.1} ms ({:.1} t/s); drafted {} accepted {}; finish {:?}",
+            t.prompt_n,
+            t.prompt_ms,
+            t.prompt_n as f64 / (t.prompt_ms / 1e3).max(1e-9),
+            t.predicted_n,
+            t.predicted_ms,
+            t.predicted_n as f64 / (t.predicted_ms / 1e3).max(1e-9),
+            t.draft_n,
+            t.draft_n_accepted,
+            f.reason
+        );
+    }
+    let m = engine.metrics();
     eprintln!(
-        "prompt: {} tokens in {:.3} s ({:.1} t/s); generated: {} tokens in {:.3} s ({:.1} t/s); backend {}",
-        ids.len(),
-        prefill_s,
-        ids.len() as f64 / prefill_s.max(1e-9),
-        produced,
-        decode_s,
-        produced as f64 / decode_s.max(1e-9),
-        be.name()
+        "backend {name}: {} streams, {total} tokens in {wall:.3} s ({:.1} t/s aggregate); draft acceptance rate = {:.3} ({} accepted / {} generated)",
+        cfg.parallel,
+        total as f64 / wall.max(1e-9),
+        m.spec.acceptance_rate(),
+        m.spec.accepted,
+        m.spec.drafted
     );
     Ok(())
-}
-
-/// Greedy decoding reads back only the chosen id; sampling needs the logits row.
-fn pick<B: Backend>(be: &B, sampler: &mut Sampler, logits: &B::T, greedy: bool) -> u32 {
-    let id = if greedy {
-        be.argmax_rows(logits)[0]
-    } else {
-        sampler.sample(&be.to_host(logits))
-    };
-    sampler.accept(id);
-    id
 }
 
 fn inspect(file: Arc<Gguf>, all_tensors: bool) -> Result<()> {
