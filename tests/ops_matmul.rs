@@ -60,11 +60,22 @@ fn compare_matmul<B: Backend>(
     );
 }
 
+/// A weight of type `ty`. The GGUF writer has no way to say type 42 is the legacy PrismML layout
+/// (the reader infers it from byte spans), so Q2_0Legacy is made as PQ2_0 bytes relabelled.
+fn typed_weight(name: &str, ty: GgmlType, ne0: usize, rows: usize, data: &[f32]) -> WeightSource {
+    if ty == GgmlType::Q2_0Legacy {
+        let mut w = weight(name, GgmlType::PQ2_0, ne0, rows, data);
+        w.info.ty = GgmlType::Q2_0Legacy;
+        return w;
+    }
+    weight(name, ty, ne0, rows, data)
+}
+
 fn matmul_dtype<B: Backend>(be: &B, ty: GgmlType, seed: u64) {
     let mut rng = Rng(seed);
     for &ne0 in widths(ty) {
         for (i, &n_out) in [7usize, 33, 130].iter().enumerate() {
-            let w = weight(
+            let w = typed_weight(
                 "blk.0.ffn_up.weight",
                 ty,
                 ne0,
@@ -169,54 +180,62 @@ fn hadamard(block: usize, widths: &[usize], explicit: bool, seed: u64) -> Arc<Ha
     Arc::new(HadamardConfig::from_gguf(&file).unwrap().expect("config"))
 }
 
+/// One folded-weight case: the config's block and the weight's width, explicit or identity
+/// signs, the GDN permutation if any, and the weight dtypes to try.
+struct FoldCase {
+    block: usize,
+    ne0: usize,
+    explicit: bool,
+    perm: Option<GdnPermutation>,
+    types: &'static [GgmlType],
+}
+
 /// Folded weights: blocks of 64, one full 1024 block and two, a 2048 block (past one workgroup's
 /// shared memory), identity signs, and an ssm_out-style weight with the GDN permutation.
 fn matmul_folded<B: Backend>(be: &B) {
+    use GgmlType::*;
     let mut rng = Rng(31);
-    let cases: [(usize, usize, bool, Option<GdnPermutation>, &[GgmlType]); 6] = [
-        (
-            64,
-            384,
-            true,
-            None,
-            &[
-                GgmlType::F32,
-                GgmlType::Q8_0,
-                GgmlType::PQ2_0,
-                GgmlType::PTQ1_0,
-            ],
-        ),
-        (1024, 1024, true, None, &[GgmlType::F32, GgmlType::PQ2_0]),
-        (1024, 2048, true, None, &[GgmlType::Q4_0, GgmlType::PTQ1_0]),
-        (2048, 4096, true, None, &[GgmlType::F32, GgmlType::PQ2_0]),
-        (128, 256, false, None, &[GgmlType::BF16, GgmlType::PQ2_0]),
+    let case = |block, ne0, explicit, perm, types| FoldCase {
+        block,
+        ne0,
+        explicit,
+        perm,
+        types,
+    };
+    let cases = [
+        case(64, 384, true, None, &[F32, Q8_0, PQ2_0, PTQ1_0]),
+        case(1024, 1024, true, None, &[F32, PQ2_0]),
+        case(1024, 2048, true, None, &[Q4_0, PTQ1_0]),
+        case(2048, 4096, true, None, &[F32, PQ2_0]),
+        case(128, 256, false, None, &[BF16, PQ2_0]),
         // hd 32, nk 2, rep 2: 4 V heads in 2 key groups.
-        (
+        case(
             64,
             128,
             true,
             Some(GdnPermutation::new(128, 4, 2).unwrap()),
-            &[GgmlType::F32, GgmlType::PQ2_0],
+            &[F32, PQ2_0],
         ),
     ];
-    for (block, ne0, explicit, perm, types) in cases {
-        let h = hadamard(block, &[ne0], explicit, block as u64 + ne0 as u64);
-        for &ty in types {
+    for c in cases {
+        let h = hadamard(c.block, &[c.ne0], c.explicit, (c.block + c.ne0) as u64);
+        for &ty in c.types {
             let n_out = 33;
             let w = weight(
                 "blk.0.ssm_out.weight",
                 ty,
-                ne0,
+                c.ne0,
                 n_out,
-                &rng.vec(ne0 * n_out, 1.0),
+                &rng.vec(c.ne0 * n_out, 1.0),
             );
-            let w = with_fold(w, &h, perm);
+            let w = with_fold(w, &h, c.perm);
+            let what = format!(
+                "{ty} fold {}{}{}",
+                c.block,
+                if c.explicit { "" } else { " identity" },
+                if c.perm.is_some() { " gdn" } else { "" }
+            );
             for n_tok in [1, 3, 65] {
-                let what = format!(
-                    "{ty} fold {block}{}{}",
-                    if explicit { "" } else { " identity" },
-                    if perm.is_some() { " gdn" } else { "" }
-                );
                 compare_matmul(be, &what, &w, n_tok, &mut rng, TOL);
             }
         }
@@ -253,7 +272,7 @@ fn embed_dtypes<B: Backend>(be: &B) {
             if ne0 <= 8 {
                 continue; // the dense path is for vectors, not tables
             }
-            let t = weight("token_embd.weight", ty, ne0, 50, &rng.vec(ne0 * 50, 1.0));
+            let t = typed_weight("token_embd.weight", ty, ne0, 50, &rng.vec(ne0 * 50, 1.0));
             compare_embed(be, &format!("{ty}"), &t, &ids, EXACT);
         }
     }
@@ -489,7 +508,7 @@ fn specialised_kernels_validate() {
                 let code = specialise(&src, ty, sg);
                 if sg {
                     assert!(
-                        code.contains("subgroupAdd") && !code.contains("//#"),
+                        code.contains("subgroupAdd(") && !code.contains("red[lid] += red[lid + s]"),
                         "{name}: subgroup variant not built"
                     );
                 }

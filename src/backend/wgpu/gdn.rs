@@ -36,8 +36,9 @@ pub const CHUNK: usize = 64;
 const COL_BLOCK: usize = 16;
 /// Workgroup memory of `gdn_chunk_prep`: the C×C matrix A plus gamma and beta.
 const PREP_SHARED_BYTES: u32 = ((CHUNK * CHUNK + 2 * CHUNK) * 4) as u32;
-/// Bound on the `[U | W]` scratch of one chunked dispatch; longer inputs are run in segments
-/// of whole chunks, the state carried between them.
+/// Bound on each scratch buffer of one chunked dispatch pair (`[U | W]` and P, a power of two
+/// below the 128 MiB storage binding minimum); longer inputs run in segments of whole chunks,
+/// the state carried between them.
 const SEGMENT_SCRATCH_BYTES: usize = 64 << 20;
 
 /// One layer's recurrent state on the device, zero for a fresh sequence.
@@ -59,6 +60,9 @@ pub enum GdnForm {
     Recurrent,
     /// Chunks of 64 tokens; needs `d % 16 == 0` (see `chunked_supported`).
     Chunked,
+    /// The chunked form with at most this many chunks per dispatch pair, the state carried
+    /// between them (long inputs are split this way to bound the scratch; tests force it).
+    ChunkedIn(usize),
 }
 
 fn zeros(be: &WgpuBackend, label: &str, n: usize) -> wgpu::Buffer {
@@ -96,7 +100,8 @@ pub fn read_state(be: &WgpuBackend, rs: &Recurrent) -> (Vec<f32>, Vec<f32>) {
 
 /// Whether the chunked form can run for this geometry on this adapter.
 pub fn chunked_supported(be: &WgpuBackend, p: &GdnParams) -> bool {
-    p.d % COL_BLOCK == 0 && be.gpu.limits.max_compute_workgroup_storage_size >= PREP_SHARED_BYTES
+    p.d.is_multiple_of(COL_BLOCK)
+        && be.gpu.limits.max_compute_workgroup_storage_size >= PREP_SHARED_BYTES
 }
 
 fn specialise(src: &str, d: usize) -> String {
@@ -153,7 +158,7 @@ pub fn gdn_with(
     let chunked = match form {
         GdnForm::Auto => rows > 1 && chunked_supported(be, p),
         GdnForm::Recurrent => false,
-        GdnForm::Chunked => {
+        GdnForm::Chunked | GdnForm::ChunkedIn(_) => {
             assert!(
                 chunked_supported(be, p),
                 "gdn: the chunked form needs d % {COL_BLOCK} == 0 (d = {d})"
@@ -206,11 +211,15 @@ pub fn gdn_with(
     let col_blocks = d.div_ceil(COL_BLOCK) as u32;
     if chunked {
         let n_chunks = rows.div_ceil(CHUNK);
-        let per_chunk = CHUNK * n_v * 2 * d * 4;
-        let seg = (SEGMENT_SCRATCH_BYTES / per_chunk).clamp(1, n_chunks);
+        let (uw_chunk, pm_chunk) = (CHUNK * n_v * 2 * d * 4, CHUNK * n_v * CHUNK * 4);
+        let max_seg = match form {
+            GdnForm::ChunkedIn(n) => n,
+            _ => SEGMENT_SCRATCH_BYTES / uw_chunk.max(pm_chunk),
+        };
+        let seg = max_seg.clamp(1, n_chunks);
         let gam = be.gpu.alloc((seg * n_v * CHUNK * 4) as u64);
-        let uw = be.gpu.alloc((seg * per_chunk) as u64);
-        let pm = be.gpu.alloc((seg * n_v * CHUNK * CHUNK * 4) as u64);
+        let uw = be.gpu.alloc((seg * uw_chunk) as u64);
+        let pm = be.gpu.alloc((seg * pm_chunk) as u64);
         let prep = be.gpu.pipeline("gdn_chunk_prep", CHUNK_PREP);
         let scan = be
             .gpu

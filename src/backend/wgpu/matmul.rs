@@ -63,7 +63,6 @@ pub fn specialise(source: &str, ty: GgmlType, subgroups: bool) -> String {
     if !subgroups {
         return source;
     }
-    #[derive(PartialEq)]
     enum Region {
         Common,
         If,
