@@ -5,9 +5,12 @@
 
 pub mod backend;
 pub mod bundled;
+pub mod cli;
+pub mod config;
 pub mod gguf;
 pub mod model;
 pub mod npy;
+pub mod plan;
 pub mod quant;
 pub mod runtime;
 pub mod tensor;

@@ -103,6 +103,12 @@ enum Cmd {
         #[command(flatten)]
         engine: EngineArgs,
     },
+    /// Price a shape (KV, draft KV, recurrent state, weights, buffers) against the device budget.
+    Fit(tern::cli::fit::FitArgs),
+    /// Show the merged settings (config file, then flags) as YAML.
+    Config(tern::cli::config::ConfigArgs),
+    /// Check files' byte counts and sha256 (streamed; progress bar on a terminal).
+    Verify(tern::cli::verify::VerifyArgs),
 }
 
 #[derive(Copy, Clone, Debug, ValueEnum, PartialEq)]
@@ -221,6 +227,9 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Inspect { model, tensors } => inspect(open_file(model)?, tensors),
+        Cmd::Fit(a) => tern::cli::fit::run(&a),
+        Cmd::Config(a) => tern::cli::config::run(&a),
+        Cmd::Verify(a) => tern::cli::verify::run(&a),
         Cmd::Logits {
             model,
             tokens,

@@ -42,23 +42,35 @@ pub const GDN_CHUNK: u64 = 64;
 const F32: u64 = 4;
 
 pub(crate) fn estimate(geo: &Geometry, shape: &Shape) -> (Line, Option<Line>) {
+    // Saturating throughout: header numbers are untrusted.
     let rows = shape.effective_ubatch();
     let hd = geo.head_dim;
-    let inner = geo.ssm_n_v * geo.ssm_state;
-    let conv_dim = 2 * geo.ssm_n_k * geo.ssm_state + inner;
-    let attn_w = 2 * geo.n_head * hd + 2 * geo.n_head_kv * hd + geo.n_head * hd;
+    let inner = mul(&[geo.ssm_n_v, geo.ssm_state]);
+    let conv_dim = mul(&[2, geo.ssm_n_k, geo.ssm_state]).saturating_add(inner);
+    let attn_w = add(&[
+        mul(&[2, geo.n_head, hd]),
+        mul(&[2, geo.n_head_kv, hd]),
+        mul(&[geo.n_head, hd]),
+    ]);
     let gdn_w = if geo.n_gdn > 0 {
-        2 * conv_dim + 2 * inner + 2 * geo.ssm_n_v
+        add(&[
+            mul(&[2, conv_dim]),
+            mul(&[2, inner]),
+            mul(&[2, geo.ssm_n_v]),
+        ])
     } else {
         0
     };
-    let ffn_w = 3 * geo.n_ff;
-    let row = 3 * geo.n_embd + attn_w.max(gdn_w).max(ffn_w);
+    let ffn_w = mul(&[3, geo.n_ff]);
+    let row = mul(&[3, geo.n_embd]).saturating_add(attn_w.max(gdn_w).max(ffn_w));
     let acts = mul(&[rows, row, F32]);
     let (scores, scores_what) = if shape.flash_attn == FlashAttn::Off {
         (
             mul(&[rows, geo.n_head, shape.n_ctx_slot(), F32]),
-            format!("full score rows over n_ctx_slot {}", count(shape.n_ctx_slot())),
+            format!(
+                "full score rows over n_ctx_slot {}",
+                count(shape.n_ctx_slot())
+            ),
         )
     } else {
         (
@@ -101,7 +113,7 @@ pub(crate) fn estimate(geo: &Geometry, shape: &Shape) -> (Line, Option<Line>) {
     if !shape.drafting() {
         return (main, None);
     }
-    let draft_row = 6 * geo.n_embd + attn_w.max(ffn_w);
+    let draft_row = mul(&[6, geo.n_embd]).saturating_add(attn_w.max(ffn_w));
     let d_acts = mul(&[rows, draft_row, F32]);
     let d_scores = scores;
     let d_logits = mul(&[shape.parallel, geo.n_vocab, F32]);
@@ -126,6 +138,10 @@ pub(crate) fn estimate(geo: &Geometry, shape: &Shape) -> (Line, Option<Line>) {
 
 fn mul(xs: &[u64]) -> u64 {
     xs.iter().fold(1u64, |a, &b| a.saturating_mul(b))
+}
+
+fn add(xs: &[u64]) -> u64 {
+    xs.iter().fold(0u64, |a, &b| a.saturating_add(b))
 }
 
 fn sum(parts: &[(String, u64)]) -> u64 {

@@ -25,9 +25,9 @@ mod price;
 mod table;
 
 pub use compute::{ATTN_TILE, GDN_CHUNK};
-pub use fit::{fit, Budget, Fit, Suggestion, Verdict};
+pub use fit::{fit, parse_mem_available, Budget, Fit, Suggestion, Verdict, POOL_GRAIN};
 pub use price::{Geometry, Ledger, Line, Term};
-pub use table::mib;
+pub use table::{count, mib};
 
 use std::path::PathBuf;
 
@@ -213,7 +213,7 @@ impl Default for Shape {
             cache_type_v: KvType::F16,
             flash_attn: FlashAttn::Auto,
             spec: SpecType::None,
-            draft_n_max: 16,
+            draft_n_max: 3,
             spec_draft_type_k: KvType::F16,
             spec_draft_type_v: KvType::F16,
             ubatch_size: 512,
@@ -278,7 +278,7 @@ impl Shape {
                 return Err(PlanError::Zero { key });
             }
         }
-        if self.ctx_size % self.parallel != 0 {
+        if !self.ctx_size.is_multiple_of(self.parallel) {
             return Err(PlanError::CtxNotDivisible {
                 ctx_size: self.ctx_size,
                 parallel: self.parallel,
@@ -374,10 +374,13 @@ pub enum PlanError {
         elems: u64,
     },
     #[error(
-        "backend {backend}: tern does not query {backend}'s free memory yet; pass \
-         --device-mib N with the driver's free figure (e.g. nvidia-smi --query-gpu=memory.free)"
+        "backend {backend}: tern does not query the free memory of wgpu or cuda devices yet; \
+         pass --device-mib N with the driver's free figure (e.g. nvidia-smi \
+         --query-gpu=memory.free), or --backend cpu to use MemAvailable"
     )]
     BudgetUnknown { backend: &'static str },
-    #[error("backend cpu: cannot read MemAvailable from /proc/meminfo ({why}); pass --device-mib N")]
+    #[error(
+        "backend cpu: cannot read MemAvailable from /proc/meminfo ({why}); pass --device-mib N"
+    )]
     MemInfo { why: String },
 }

@@ -162,7 +162,10 @@ impl Ledger {
             for p in &shape.lora {
                 parts.push((p.display().to_string(), file_size("LoRA adapter", p)?));
             }
-            let bytes = parts.iter().map(|(_, b)| *b).fold(0u64, u64::saturating_add);
+            let bytes = parts
+                .iter()
+                .map(|(_, b)| *b)
+                .fold(0u64, u64::saturating_add);
             let names: Vec<String> = parts
                 .iter()
                 .map(|(n, b)| format!("{n} {} B", count(*b)))
@@ -212,13 +215,17 @@ impl Ledger {
 }
 
 fn geometry(g: &Gguf, cfg: &Config) -> Geometry {
+    // Saturating: the header's numbers are untrusted, and an absurd one must price as a huge
+    // (refused) figure, never wrap or panic.
+    let m = |xs: &[u64]| xs.iter().fold(1u64, |a, &b| a.saturating_mul(b));
     let n_gdn = (0..cfg.n_layer).filter(|&il| cfg.is_recurrent(il)).count() as u64;
-    let n_full = cfg.n_layer as u64 - n_gdn;
-    let kv_elems = n_full * cfg.n_head_kv as u64 * cfg.head_dim as u64;
-    let gdn = cfg.gdn_params();
-    let conv_dim = gdn.conv_dim() as u64;
+    let n_full = (cfg.n_layer as u64).saturating_sub(n_gdn);
+    let kv_elems = m(&[n_full, cfg.n_head_kv as u64, cfg.head_dim as u64]);
     let d = cfg.ssm_state as u64;
-    let floats = (cfg.ssm_conv as u64 - 1) * conv_dim + d * d * cfg.ssm_n_v as u64;
+    let (n_k, n_v) = (cfg.ssm_n_k as u64, cfg.ssm_n_v as u64);
+    let conv_dim = m(&[2, n_k, d]).saturating_add(m(&[n_v, d]));
+    let floats =
+        m(&[(cfg.ssm_conv as u64).saturating_sub(1), conv_dim]).saturating_add(m(&[d, d, n_v]));
     Geometry {
         name: g.get_str("general.name").map(str::to_string),
         n_layer: cfg.n_layer as u64,
@@ -237,7 +244,7 @@ fn geometry(g: &Gguf, cfg: &Config) -> Geometry {
         ssm_n_v: cfg.ssm_n_v as u64,
         context_length: cfg.context_length as u64,
         kv_elems_per_token: kv_elems,
-        recurrent_bytes_per_slot: n_gdn * floats * 4,
+        recurrent_bytes_per_slot: m(&[n_gdn, floats, 4]),
         file_bytes: g.file_len(),
     }
 }
@@ -289,13 +296,18 @@ fn cache_bytes(
 }
 
 fn kv(geo: &Geometry, shape: &Shape) -> Result<Line, PlanError> {
-    let elems = geo.n_head_kv * geo.head_dim;
+    let elems = geo.n_head_kv.saturating_mul(geo.head_dim);
     let pool = shape.ctx_size;
     let (tk, tv) = (shape.cache_type_k, shape.cache_type_v);
     let k = cache_bytes("K", tk, elems, geo.n_full_attn, pool)?;
     let v = cache_bytes("V", tv, elems, geo.n_full_attn, pool)?;
-    let per_token = cache_bytes("K", tk, elems, geo.n_full_attn, 1)?
-        + cache_bytes("V", tv, elems, geo.n_full_attn, 1)?;
+    let per_token = cache_bytes("K", tk, elems, geo.n_full_attn, 1)?.saturating_add(cache_bytes(
+        "V",
+        tv,
+        elems,
+        geo.n_full_attn,
+        1,
+    )?);
     Ok(Line {
         term: Term::Kv,
         bytes: k.saturating_add(v),
@@ -319,13 +331,18 @@ fn kv(geo: &Geometry, shape: &Shape) -> Result<Line, PlanError> {
 }
 
 fn draft_kv(geo: &Geometry, shape: &Shape) -> Result<Line, PlanError> {
-    let elems = geo.n_head_kv * geo.head_dim;
+    let elems = geo.n_head_kv.saturating_mul(geo.head_dim);
     let pool = shape.ctx_size;
     let (tk, tv) = (shape.spec_draft_type_k, shape.spec_draft_type_v);
     let k = cache_bytes("draft K", tk, elems, geo.n_nextn, pool)?;
     let v = cache_bytes("draft V", tv, elems, geo.n_nextn, pool)?;
-    let per_pos = cache_bytes("draft K", tk, elems, geo.n_nextn, 1)?
-        + cache_bytes("draft V", tv, elems, geo.n_nextn, 1)?;
+    let per_pos = cache_bytes("draft K", tk, elems, geo.n_nextn, 1)?.saturating_add(cache_bytes(
+        "draft V",
+        tv,
+        elems,
+        geo.n_nextn,
+        1,
+    )?);
     Ok(Line {
         term: Term::DraftKv,
         bytes: k.saturating_add(v),
@@ -349,9 +366,14 @@ fn recurrent(geo: &Geometry, shape: &Shape) -> Line {
         .recurrent_bytes_per_slot
         .saturating_mul(shape.parallel)
         .saturating_mul(copies);
-    let conv_dim = 2 * geo.ssm_n_k * geo.ssm_state + geo.ssm_n_v * geo.ssm_state;
+    let conv_dim = (2 * geo.ssm_n_k)
+        .saturating_mul(geo.ssm_state)
+        .saturating_add(geo.ssm_n_v.saturating_mul(geo.ssm_state));
     let copies_note = if shape.drafting() {
-        format!(" × {copies} copies (1 + spec-draft-n-max {})", shape.draft_n_max)
+        format!(
+            " × {copies} copies (1 + spec-draft-n-max {})",
+            shape.draft_n_max
+        )
     } else {
         String::new()
     };
@@ -359,7 +381,7 @@ fn recurrent(geo: &Geometry, shape: &Shape) -> Line {
         term: Term::Recurrent,
         bytes,
         detail: format!(
-            "{} GDN layers × ({} × {} + {}² × {}) f32 = {} B = {} per slot × {} slots{}",
+            "{} GDN layers × ({} × {} + {}² × {}) f32 = {} B = {} MiB per slot × {} slots{}",
             geo.n_gdn,
             geo.ssm_conv.saturating_sub(1),
             count(conv_dim),
