@@ -141,6 +141,10 @@ struct EngineArgs {
     spec_draft_n_min: usize,
     #[arg(long = "spec-draft-p-min", default_value_t = 0.0)]
     spec_draft_p_min: f32,
+    #[arg(long = "spec-draft-type-k", default_value = "f16")]
+    spec_draft_type_k: String,
+    #[arg(long = "spec-draft-type-v", default_value = "f16")]
+    spec_draft_type_v: String,
 }
 
 impl EngineArgs {
@@ -164,6 +168,10 @@ impl EngineArgs {
                 n_min: self.spec_draft_n_min,
                 p_min: self.spec_draft_p_min,
             }),
+            draft_kv_types: KvTypes {
+                k: parse("spec-draft-type-k", &self.spec_draft_type_k)?,
+                v: parse("spec-draft-type-v", &self.spec_draft_type_v)?,
+            },
         })
     }
 }

@@ -37,6 +37,10 @@ fn cfg(parallel: usize, spec: Option<SpecConfig>) -> EngineConfig {
         parallel,
         ubatch: 16,
         kv_types: KvTypes::default(),
+        draft_kv_types: KvTypes {
+            k: GgmlType::F16,
+            v: GgmlType::F16,
+        },
         spec,
     }
 }

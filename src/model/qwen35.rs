@@ -55,12 +55,17 @@ impl<B: Backend> Model<B> {
     }
 
     pub fn new_mtp_state(&self, be: &B) -> Result<MtpState<B>, ModelError> {
+        self.new_mtp_state_with(be, KvTypes::default())
+    }
+
+    /// The MTP head's cache in the draft dtypes (`--spec-draft-type-k/-v`).
+    pub fn new_mtp_state_with(&self, be: &B, kv_types: KvTypes) -> Result<MtpState<B>, ModelError> {
         if self.w.mtp.is_none() {
             return Err(ModelError::NoMtp);
         }
         Ok(MtpState {
             pos: 0,
-            kv: be.new_kv(&self.cfg.attn_params(), KvTypes::default())?,
+            kv: be.new_kv(&self.cfg.attn_params(), kv_types)?,
         })
     }
 

@@ -48,6 +48,8 @@ pub struct EngineConfig {
     pub ubatch: usize,
     pub kv_types: KvTypes,
     pub spec: Option<SpecConfig>,
+    /// The MTP head's cache dtypes (`--spec-draft-type-k/-v`, llama.cpp default f16).
+    pub draft_kv_types: KvTypes,
 }
 
 impl EngineConfig {
@@ -400,7 +402,7 @@ impl<B: Backend> Worker<B> {
                 &be,
                 seq,
                 Sampler::new(SamplerConfig::greedy()),
-                cfg.spec.is_some(),
+                cfg.spec.as_ref().map(|_| cfg.draft_kv_types),
             )
             .map_err(model_err)?;
             slots.push(Slot {

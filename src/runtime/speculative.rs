@@ -6,7 +6,7 @@
 //! `SlotDecoder` holds the per-sequence pieces and the steps of a round; `Generator` drives one
 //! sequence with them, the engine drives many in shared batches.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, KvTypes};
 use crate::model::{BatchItem, Model, ModelError, MtpState, Output, SeqState};
 
 use super::sampler::{argmax, probability, Sampler};
@@ -89,17 +89,17 @@ pub struct SlotDecoder<B: Backend> {
 }
 
 impl<B: Backend> SlotDecoder<B> {
-    /// `mtp = true` arms drafting (the model must have an MTP block).
+    /// `mtp = Some(draft cache dtypes)` arms drafting (the model must have an MTP block).
     pub fn new(
         model: &Model<B>,
         be: &B,
         seq: SeqState<B>,
         sampler: Sampler,
-        mtp: bool,
+        mtp: Option<KvTypes>,
     ) -> Result<Self, ModelError> {
-        let mtp = if mtp {
+        let mtp = if let Some(types) = mtp {
             Some(Mtp {
-                state: model.new_mtp_state(be)?,
+                state: model.new_mtp_state_with(be, types)?,
                 pending_h: vec![0.0; model.cfg.n_embd],
             })
         } else {
@@ -295,7 +295,13 @@ impl<'a, B: Backend> Generator<'a, B> {
         sampler: Sampler,
         spec: Option<SpecConfig>,
     ) -> Result<Self, ModelError> {
-        let slot = SlotDecoder::new(model, be, seq, sampler, spec.is_some())?;
+        let slot = SlotDecoder::new(
+            model,
+            be,
+            seq,
+            sampler,
+            spec.as_ref().map(|_| KvTypes::default()),
+        )?;
         Ok(Generator {
             model,
             be,
