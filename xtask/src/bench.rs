@@ -225,3 +225,94 @@ pub fn kernels() -> Result<()> {
     }
     Ok(())
 }
+
+/// `cargo xtask bench --engine`: the serving engine on one file: decode tokens/s for 1 and 3
+/// concurrent streams (aggregate), f16 and q8_0 V, MTP drafting off and on, with the
+/// acceptance rate. Greedy, the same prompt per stream.
+pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
+    use std::sync::Arc;
+    use tern::backend::KvTypes;
+    use tern::runtime::engine::{Engine, EngineConfig, Request};
+    use tern::runtime::sampler::SamplerConfig;
+    use tern::runtime::speculative::SpecConfig;
+    use tern::tensor::GgmlType;
+
+    let g = Arc::new(tern::gguf::Gguf::open(file)?);
+    let tok = Arc::new(tern::tokenizer::Tokenizer::from_gguf(&g)?);
+    let has_mtp = tern::model::Config::from_gguf(&g)?.has_mtp();
+    let prompt = prompt(64);
+    let mut rows = Vec::new();
+    println!("{:<8} {:>7} {:>6} {:>8} {:>14} {:>12} {:>10}", "backend", "streams", "V", "drafting", "decode t/s", "accept", "prompt t/s");
+    for parallel in [1usize, 3] {
+        for v in [GgmlType::F16, GgmlType::Q8_0] {
+            for spec in [false, true] {
+                if spec && !has_mtp {
+                    continue;
+                }
+                let cfg = EngineConfig {
+                    ctx_size: 1024 * parallel,
+                    parallel,
+                    ubatch: 512,
+                    kv_types: KvTypes { k: GgmlType::F16, v },
+                    spec: spec.then(SpecConfig::default),
+                    draft_kv_types: KvTypes { k: GgmlType::F16, v: GgmlType::F16 },
+                };
+                let run = |e: &Engine| -> Result<(f64, f64, f64)> {
+                    let t0 = Instant::now();
+                    let hs: Vec<_> = (0..parallel)
+                        .map(|_| {
+                            e.submit(Request {
+                                prompt: prompt.clone(),
+                                max_tokens: decode,
+                                sampler: SamplerConfig::greedy(),
+                                stop: vec![],
+                                ignore_eos: true,
+                            })
+                        })
+                        .collect();
+                    let mut decode_s = 0f64;
+                    let mut prompt_tps = 0f64;
+                    let mut n = 0usize;
+                    for h in hs {
+                        let (_, _, f) = h.collect().map_err(|e| anyhow::anyhow!("{e}"))?;
+                        n += f.completion_tokens;
+                        decode_s = decode_s.max(f.timings.predicted_ms / 1e3);
+                        prompt_tps += f.timings.prompt_n as f64 / (f.timings.prompt_ms / 1e3).max(1e-9) / parallel as f64;
+                    }
+                    let _ = t0;
+                    let m = e.metrics();
+                    Ok((n as f64 / decode_s.max(1e-9), m.spec.acceptance_rate(), prompt_tps))
+                };
+                let (tps, acc, ptps) = match backend {
+                    "wgpu" => {
+                        let be = tern::backend::wgpu::WgpuBackend::new()?;
+                        let m = Model::load(&be, g.clone())?;
+                        run(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
+                    }
+                    _ => {
+                        let be = CpuBackend::new();
+                        let m = Model::load(&be, g.clone())?;
+                        run(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
+                    }
+                };
+                println!(
+                    "{:<8} {:>7} {:>6} {:>8} {:>14.2} {:>12} {:>10.1}",
+                    backend,
+                    parallel,
+                    v.name(),
+                    if spec { "mtp-3" } else { "off" },
+                    tps,
+                    if spec { format!("{:.1}%", 100.0 * acc) } else { "-".into() },
+                    ptps
+                );
+                rows.push(json!({"backend": backend, "streams": parallel, "cache_v": v.name(), "drafting": spec,
+                    "decode_tps_aggregate": tps, "acceptance": acc, "prompt_tps": ptps}));
+            }
+        }
+    }
+    let dir = file.parent().unwrap_or(Path::new(".")).join("../../target/bench");
+    let _ = std::fs::create_dir_all(&dir);
+    let out = json!({"file": file.display().to_string(), "decode_tokens": decode, "prompt_tokens": 64, "results": rows});
+    std::fs::write(dir.join("engine.json"), serde_json::to_string_pretty(&out)?)?;
+    Ok(())
+}

@@ -18,7 +18,9 @@ const USAGE: &str = "usage: cargo xtask <task>
                         llama-cpp-python==0.3.36, gguf, numpy)
   bench [--backend cpu,wgpu] [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
                         tern vs stock llama.cpp on the bench files (default: fixtures/bench/*)
-  bench --kernels       single-thread dot_row throughput per weight type";
+  bench --kernels       single-thread dot_row throughput per weight type
+  bench --engine [--wgpu] [FILE]
+                        the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on";
 
 /// The Python that has llama-cpp-python: $TERN_PYTHON, else python3 on the PATH.
 fn python() -> String {
@@ -81,6 +83,16 @@ fn main() -> Result<()> {
             };
             if args[1..].iter().any(|a| a == "--kernels") {
                 return bench::kernels();
+            }
+            if args[1..].iter().any(|a| a == "--engine") {
+                let rest: Vec<&String> = args[1..].iter().filter(|a| *a != "--engine").collect();
+                let file = rest
+                    .iter()
+                    .find(|a| !a.starts_with("--"))
+                    .map(|f| PathBuf::from(f.as_str()))
+                    .unwrap_or_else(|| root.join("fixtures/bench/bench-0.8b-q8_0.gguf"));
+                let backend = if rest.iter().any(|a| a.as_str() == "--wgpu") { "wgpu" } else { "cpu" };
+                return bench::engine(&file, backend, 32);
             }
             let mut it = args[1..].iter();
             let num = |v: Option<&String>, flag: &str| -> Result<usize> {
