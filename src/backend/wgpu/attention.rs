@@ -5,12 +5,17 @@
 //!    (IMROPE sectors); q to a scratch `[rows, n_head*hd]`, k to a scratch `[rows, width]`.
 //! 2. `kv_store` (twice): the k scratch and the raw v rows into the cache at `pos0..`, in the
 //!    cache dtype, as ggml blocks.
-//! 3. `attn_split`: per (row, query head, chunk of positions), online softmax over the chunk with
-//!    K/V dequantized in the kernel; writes (max, sum, o) partials.
+//! 3. `attn_split`: per (tile of R query vectors sharing a kv head, kv head, chunk of
+//!    positions), online softmax over the chunk with K/V dequantized in the kernel, each cache
+//!    element read once for the R queries (the GQA group in decode, several tokens in prefill);
+//!    writes (max, sum, o) partials per query and chunk.
 //! 4. `attn_combine`: per (row, query head), merges the chunks and applies the sigmoid gate.
 //!
 //! Chunking splits long caches across workgroups in decode (split-K), and collapses to one
 //! chunk when a prefill batch already gives enough workgroups.
+//!
+//! The cache buffers are allocated at their exact size outside the activation pool (they live
+//! as long as the sequence) and grow by doubling, copying the rows they hold.
 
 use super::basic::{new_tensor, params};
 use super::gpu::groups_2d;
@@ -31,6 +36,9 @@ const MAX_HD: usize = 512;
 const TILE: usize = 64;
 /// Workgroups `attn_split` aims for before it stops splitting the positions.
 const TARGET_GROUPS: usize = 512;
+/// Most query vectors per `attn_split` workgroup, and most query elements (`MAX_Q`).
+const MAX_R: usize = 8;
+const MAX_Q: usize = 2048;
 /// Most chunks per (row, head) (`MAX_CHUNKS` in attn_combine).
 const MAX_CHUNKS: usize = 256;
 /// Positions a new cache holds before it first grows.
@@ -52,13 +60,17 @@ fn type_code(ty: GgmlType) -> u32 {
     }
 }
 
-/// Replaces `const NAME: u32 = 0u;` in a shader by the given value.
+/// Sets the value of `const NAME: u32 = ...;` in a shader.
 fn specialize(src: &str, consts: &[(&str, u32)]) -> String {
     let mut s = src.to_string();
     for (name, v) in consts {
-        let from = format!("const {name}: u32 = 0u;");
-        assert!(s.contains(&from), "shader has no `{from}`");
-        s = s.replace(&from, &format!("const {name}: u32 = {v}u;"));
+        let from = format!("const {name}: u32 = ");
+        let at = s
+            .find(&from)
+            .unwrap_or_else(|| panic!("shader has no `{from}`"))
+            + from.len();
+        let end = at + s[at..].find(';').expect("const ends with ;");
+        s.replace_range(at..end, &format!("{v}u"));
     }
     s
 }
@@ -66,7 +78,7 @@ fn specialize(src: &str, consts: &[(&str, u32)]) -> String {
 /// K or V of one layer's cache: rows of `width` elements as ggml rows of `ty`, each padded to
 /// `row_words` u32 words.
 pub struct KvBuf {
-    pub buf: PBuf,
+    pub buf: wgpu::Buffer,
     pub ty: GgmlType,
     pub row_words: usize,
 }
@@ -74,7 +86,7 @@ pub struct KvBuf {
 impl KvBuf {
     fn bind(&self, capacity: usize) -> Bind<'_> {
         Bind {
-            buf: self.buf.buffer(),
+            buf: &self.buf,
             offset: 0,
             size: Some((capacity * self.row_words * 4) as u64),
         }
@@ -106,12 +118,19 @@ fn row_words(ty: GgmlType, width: usize) -> usize {
 /// Most positions a cache can hold: one binding of K or V must fit the adapter's limit.
 fn max_capacity(be: &WgpuBackend, kv: &Kv) -> usize {
     let l = &be.gpu.limits;
-    let limit = (l.max_storage_buffer_binding_size as u64).min(l.max_buffer_size) as usize;
+    let limit = l.max_storage_buffer_binding_size.min(l.max_buffer_size) as usize;
     limit / (kv.k.row_words.max(kv.v.row_words) * 4)
 }
 
-fn alloc_rows(be: &WgpuBackend, row_words: usize, capacity: usize) -> PBuf {
-    be.gpu.alloc((capacity * row_words * 4) as u64)
+fn alloc_rows(be: &WgpuBackend, row_words: usize, capacity: usize) -> wgpu::Buffer {
+    be.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("kv cache"),
+        size: (capacity * row_words * 4) as u64,
+        usage: wgpu::BufferUsages::STORAGE
+            | wgpu::BufferUsages::COPY_SRC
+            | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    })
 }
 
 pub fn new_kv(be: &WgpuBackend, p: &AttnParams, types: KvTypes) -> Result<Kv, BackendError> {
@@ -123,23 +142,19 @@ pub fn new_kv(be: &WgpuBackend, p: &AttnParams, types: KvTypes) -> Result<Kv, Ba
     let hd = p.head_dim;
     let width = p.n_head_kv * hd;
     for t in [types.k, types.v] {
-        if width % t.block_size() != 0 {
-            return Err(bad(format!(
-                "row width {width} is not a multiple of the {t} block size"
-            )));
-        }
-        // The kernels read whole blocks (and whole f16 pairs) per head.
-        if hd % t.block_size() != 0 || hd % 2 != 0 {
+        // The kernels read whole blocks (and whole f16 pairs) per head, so rows are whole
+        // blocks too.
+        if !hd.is_multiple_of(t.block_size()) || !hd.is_multiple_of(2) {
             return Err(bad(format!("head_dim {hd} does not hold whole {t} blocks")));
         }
     }
-    if hd == 0 || hd > MAX_HD || p.n_rot > hd || p.n_rot % 2 != 0 {
+    if hd == 0 || hd > MAX_HD || p.n_rot > hd || !p.n_rot.is_multiple_of(2) {
         return Err(bad(format!(
             "head_dim {hd} / n_rot {} outside the kernels' range (even, head_dim <= {MAX_HD})",
             p.n_rot
         )));
     }
-    if p.n_head_kv == 0 || p.n_head % p.n_head_kv != 0 {
+    if p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) {
         return Err(bad(format!(
             "{} query heads do not group over {} kv heads",
             p.n_head, p.n_head_kv
@@ -177,13 +192,8 @@ fn reserve(be: &WgpuBackend, kv: &mut Kv, needed: usize) {
     let capacity = needed.max(kv.capacity * 2).min(max);
     for c in [&mut kv.k, &mut kv.v] {
         let buf = alloc_rows(be, c.row_words, capacity);
-        be.gpu.copy(
-            c.buf.buffer(),
-            0,
-            buf.buffer(),
-            0,
-            (kv.len * c.row_words * 4) as u64,
-        );
+        be.gpu
+            .copy(&c.buf, 0, &buf, 0, (kv.len * c.row_words * 4) as u64);
         c.buf = buf;
     }
     kv.capacity = capacity;
@@ -217,10 +227,9 @@ fn store(be: &WgpuBackend, c: &KvBuf, capacity: usize, src: &Tensor, row0: usize
     );
 }
 
-/// (chunks, positions per chunk) for `rows` query rows of `n_head` heads over at most
-/// `n_ctx` positions.
-fn plan_chunks(rows: usize, n_head: usize, n_ctx: usize) -> (usize, usize) {
-    let want = TARGET_GROUPS.div_ceil(rows * n_head);
+/// (chunks, positions per chunk) for `tiles` query tiles over at most `n_ctx` positions.
+fn plan_chunks(tiles: usize, n_ctx: usize) -> (usize, usize) {
+    let want = TARGET_GROUPS.div_ceil(tiles);
     let n = want.clamp(1, n_ctx.div_ceil(TILE)).min(MAX_CHUNKS);
     let len = n_ctx.div_ceil(n).div_ceil(TILE) * TILE;
     (n_ctx.div_ceil(len), len)
@@ -297,15 +306,28 @@ pub fn attention(
     store(be, &kv.v, kv.capacity, v, pos0);
     kv.len = pos0 + rows;
 
-    // 3. Partials per chunk of positions.
+    // 3. Partials per (query tile, kv head, chunk of positions). A tile is R query vectors of
+    // one kv head: its group's heads, token-major.
     let n_ctx = pos0 + rows;
-    let (n_chunks, chunk_len) = plan_chunks(rows, p.n_head, n_ctx);
-    let groups = rows * p.n_head * n_chunks;
-    let part = gpu.alloc((groups * (hd + 2) * 4) as u64);
+    let group = p.n_head / p.n_head_kv;
+    let n_q = rows * group;
+    let r = n_q.next_power_of_two().min(MAX_R).min(MAX_Q / hd);
+    let n_tiles = n_q.div_ceil(r);
+    let (n_chunks, chunk_len) = plan_chunks(n_tiles * p.n_head_kv, n_ctx);
+    let groups = n_tiles * p.n_head_kv * n_chunks;
+    let part_bytes = rows * p.n_head * n_chunks * (hd + 2) * 4;
+    assert!(
+        part_bytes as u64 <= gpu.limits.max_storage_buffer_binding_size,
+        "attention: a batch of {rows} rows needs {part_bytes} bytes of partials, over the binding limit"
+    );
+    let part = gpu.alloc(part_bytes as u64);
     let (kc, vc) = (type_code(kv.k.ty), type_code(kv.v.ty));
     let pipe = gpu.pipeline(
-        &format!("attn_split_{kc}_{vc}"),
-        &specialize(ATTN_SPLIT, &[("K_TYPE", kc), ("V_TYPE", vc)]),
+        &format!("attn_split_{kc}_{vc}_{r}"),
+        &specialize(
+            ATTN_SPLIT,
+            &[("K_TYPE", kc), ("V_TYPE", vc), ("R", r as u32)],
+        ),
     );
     gpu.dispatch(
         &pipe,
@@ -320,6 +342,7 @@ pub fn attention(
             kv.k.row_words as u32,
             kv.v.row_words as u32,
             p.scale.to_bits(),
+            n_tiles as u32,
         ]),
         &[
             q.bind(),
@@ -427,7 +450,7 @@ pub fn read_cache(be: &WgpuBackend, kv: &Kv) -> (Vec<u8>, Vec<u8>) {
         let row_bytes = c.ty.row_bytes(kv.width as u64).expect("whole blocks") as usize;
         let b = be
             .gpu
-            .read(c.buf.buffer(), 0, (kv.len * c.row_words * 4).max(4) as u64);
+            .read(&c.buf, 0, (kv.len * c.row_words * 4).max(4) as u64);
         let mut out = Vec::with_capacity(kv.len * row_bytes);
         for r in 0..kv.len {
             out.extend_from_slice(&b[r * c.row_words * 4..][..row_bytes]);
