@@ -224,6 +224,42 @@ pub trait Backend: Send + Sync {
     fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
 }
 
+/// `(sin θ, cos θ)` for every (row, rotated pair) of a RoPE'd batch at positions `pos0..`, as
+/// the CPU reference computes them: θ = p · base^(-2i/n_rot) multiplied up in f32 (ggml's
+/// order), with the IMROPE sector rule (text positions are (p, p, p, 0), so pairs outside the
+/// t/h/w sections rotate by position 0). GPU backends upload this table rather than evaluate
+/// sin/cos of angles up to the context length, which shader sin/cos do not promise to do
+/// accurately.
+pub fn rope_table(
+    pos0: usize,
+    rows: usize,
+    n_rot: usize,
+    base: f32,
+    sections: [i32; 4],
+) -> Vec<f32> {
+    let half = n_rot / 2;
+    let theta_scale = base.powf(-2.0 / n_rot as f32);
+    let sect_dims: i32 = sections.iter().sum();
+    let mut out = Vec::with_capacity(rows * half * 2);
+    for t in 0..rows {
+        let mut theta_p = (pos0 + t) as f32;
+        for i in 0..half {
+            let in_thw = sect_dims <= 0 || {
+                let s = (i as i32) % sect_dims;
+                (s % 3 == 1 && s < 3 * sections[1])
+                    || (s % 3 == 2 && s < 3 * sections[2])
+                    || (s % 3 == 0 && s < 3 * sections[0])
+            };
+            let theta = if in_thw { theta_p } else { 0.0 };
+            let (sin, cos) = theta.sin_cos();
+            out.push(sin);
+            out.push(cos);
+            theta_p *= theta_scale;
+        }
+    }
+    out
+}
+
 /// NMSE = Σ(a−b)² / Σb², the comparison measure of goldens.md.
 pub fn nmse(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());

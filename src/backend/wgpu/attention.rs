@@ -271,8 +271,8 @@ pub fn attention(
     // 1. q/k norm and RoPE.
     let q = new_tensor(be, rows, p.n_head * hd);
     let kr = new_tensor(be, rows, width);
-    let theta_scale = p.rope_base.powf(-2.0 / p.n_rot as f32);
-    let s = p.rope_sections;
+    let table = crate::backend::rope_table(pos0, rows, p.n_rot, p.rope_base, p.rope_sections);
+    let rope = gpu.upload_pooled(bytemuck::cast_slice(&table));
     let pipe = gpu.pipeline("attn_prep", ATTN_PREP);
     gpu.dispatch(
         &pipe,
@@ -284,11 +284,6 @@ pub fn attention(
             p.n_rot as u32,
             pos0 as u32,
             p.eps.to_bits(),
-            theta_scale.to_bits(),
-            s[0] as u32,
-            s[1] as u32,
-            s[2] as u32,
-            s[3] as u32,
         ]),
         &[
             qg.bind(),
@@ -297,6 +292,7 @@ pub fn attention(
             dense(k_norm),
             q.bind(),
             kr.bind(),
+            (&rope).into(),
         ],
         groups_2d((rows * (p.n_head + p.n_head_kv)) as u32),
     );
