@@ -84,8 +84,12 @@ fn alone<B: Backend>(be: &B, file: &str, prompt: &[u32], n: usize) -> Vec<u32> {
     out
 }
 
-#[test]
-fn concurrent_requests_over_fewer_slots_match_each_alone() {
+/// Several slots at once, drafting on and off, on each backend: every stream equals its
+/// greedy tokens computed alone on the CPU.
+fn concurrent<B: Backend + 'static>(make: impl Fn() -> B, n: usize)
+where
+    B::W: 'static,
+{
     let be = common::cpu();
     for spec in [
         None,
@@ -95,18 +99,15 @@ fn concurrent_requests_over_fewer_slots_match_each_alone() {
             p_min: 0.0,
         }),
     ] {
-        let e = engine(common::cpu(), "tiny-q8_0.gguf", cfg(3, spec.clone())).unwrap();
-        let handles: Vec<_> = prompts()
-            .into_iter()
-            .map(|p| e.submit(req(p, 24)))
-            .collect();
+        let e = engine(make(), "tiny-q8_0.gguf", cfg(3, spec.clone())).unwrap();
+        let handles: Vec<_> = prompts().into_iter().map(|p| e.submit(req(p, n))).collect();
         for (p, h) in prompts().iter().zip(handles) {
             let (ids, _text, fin) = h.collect().unwrap();
             assert_eq!(fin.reason, FinishReason::Length);
-            assert_eq!(fin.completion_tokens, 24);
+            assert_eq!(fin.completion_tokens, n);
             assert_eq!(
                 ids,
-                alone(&be, "tiny-q8_0.gguf", p, 24),
+                alone(&be, "tiny-q8_0.gguf", p, n),
                 "spec {spec:?}: batched decoding changed the tokens"
             );
             if spec.is_some() {
@@ -114,7 +115,7 @@ fn concurrent_requests_over_fewer_slots_match_each_alone() {
             }
         }
         let m = e.metrics();
-        assert_eq!(m.tokens_predicted_total, 5 * 24);
+        assert_eq!(m.tokens_predicted_total, 5 * n as u64);
         assert!(
             m.n_busy_slots_total > m.n_decode_total,
             "slots shared steps"
@@ -122,6 +123,19 @@ fn concurrent_requests_over_fewer_slots_match_each_alone() {
         if spec.is_some() {
             assert!(m.spec.drafted > 0);
         }
+    }
+}
+
+#[test]
+fn concurrent_requests_over_fewer_slots_match_each_alone_cpu() {
+    concurrent(common::cpu, 96);
+}
+
+#[test]
+fn concurrent_requests_over_fewer_slots_match_each_alone_wgpu() {
+    match common::wgpu() {
+        Some(_) => concurrent(|| tern::backend::wgpu::WgpuBackend::new().unwrap(), 24),
+        None => eprintln!("skipped: no wgpu adapter"),
     }
 }
 
