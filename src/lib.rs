@@ -5,6 +5,7 @@
 
 pub mod backend;
 pub mod bundled;
+pub mod chat;
 pub mod cli;
 pub mod config;
 pub mod gguf;
@@ -13,5 +14,6 @@ pub mod npy;
 pub mod plan;
 pub mod quant;
 pub mod runtime;
+pub mod server;
 pub mod tensor;
 pub mod tokenizer;

@@ -109,6 +109,8 @@ enum Cmd {
     Config(tern::cli::config::ConfigArgs),
     /// Check files' byte counts and sha256 (streamed; progress bar on a terminal).
     Verify(tern::cli::verify::VerifyArgs),
+    /// Serve the model over llama-server's HTTP API (OpenAI-compatible).
+    Serve(tern::server::ServeArgs),
 }
 
 #[derive(Copy, Clone, Debug, ValueEnum, PartialEq)]
@@ -238,6 +240,7 @@ fn main() -> Result<()> {
         Cmd::Fit(a) => tern::cli::fit::run(&a),
         Cmd::Config(a) => tern::cli::config::run(&a),
         Cmd::Verify(a) => tern::cli::verify::run(&a),
+        Cmd::Serve(a) => tern::server::run(&a),
         Cmd::Logits {
             model,
             tokens,

@@ -1,0 +1,644 @@
+//! `POST /v1/chat/completions` and `POST /apply-template`: messages checked and normalized,
+//! the chat template rendered (reasoning, effort, tools), the output split into reasoning,
+//! content and tool calls, answered whole or streamed as SSE chunks.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::generate::{
+    cancelled_error, check_prompt, finish_reason, log_done, params_of, request_of, sse_bytes,
+    sse_response, submit, timings_json, tokenize, unix_now, usage_json, Submission,
+};
+use super::request::{field, gen_params, opt_bool, opt_str, parse_object, type_name, Obj};
+use super::state::AppState;
+use super::Body as RawBody;
+use crate::chat::{
+    map_reasoning_effort, ChatParser, Delta, ParserConfig, TemplateInputs, ToolSpecs,
+};
+use crate::config::{Reasoning, ReasoningFormat};
+use crate::runtime::engine::{Event, FinishReason};
+
+/// A chat request rendered to its prompt.
+pub struct RenderedChat {
+    pub prompt: String,
+    pub parser: ParserConfig,
+}
+
+const ROLES: &str = "system, user, assistant, tool";
+
+fn vision_refusal(state: &AppState, i: usize, kind: &str) -> ApiError {
+    let why = match &state.cfg.mmproj {
+        Some(p) => format!(
+            "a projector was given (--mmproj {p}) but this tern build cannot run vision models yet"
+        ),
+        None => "this server was started without a multimodal projector (--mmproj)".to_string(),
+    };
+    ApiError::bad_request(format!(
+        "messages[{i}] has an {kind} part: image input is not supported: {why}"
+    ))
+}
+
+/// Checks the messages and puts them in the shape the template reads: `developer` becomes
+/// `system`, tool-call arguments given as JSON text become objects (the Qwen3.5 template
+/// iterates them), media parts are refused.
+pub fn normalize_messages(state: &AppState, v: Option<&Value>) -> Result<Value, ApiError> {
+    let arr = match v {
+        None => return Err(ApiError::bad_request("'messages' is required")),
+        Some(Value::Array(a)) => a,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "'messages' must be an array, not {}",
+                type_name(other)
+            )))
+        }
+    };
+    if arr.is_empty() {
+        return Err(ApiError::bad_request("'messages' must not be empty"));
+    }
+    let mut out = Vec::with_capacity(arr.len());
+    for (i, m) in arr.iter().enumerate() {
+        let Value::Object(obj) = m else {
+            return Err(ApiError::bad_request(format!(
+                "messages[{i}] must be an object, not {}",
+                type_name(m)
+            )));
+        };
+        let mut msg = obj.clone();
+        let role = match obj.get("role") {
+            Some(Value::String(r)) => r.as_str(),
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}].role must be a string, not {}",
+                    type_name(other)
+                )))
+            }
+            None => {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}] has no 'role'"
+                )))
+            }
+        };
+        let role = match role {
+            "system" | "user" | "assistant" | "tool" => role,
+            "developer" => "system",
+            r => {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}].role {r:?} is not one of {ROLES}"
+                )))
+            }
+        };
+        msg.insert("role".into(), Value::String(role.into()));
+        let has_calls = obj.get("tool_calls").is_some_and(|t| !t.is_null());
+        match obj.get("content") {
+            None if role == "assistant" && has_calls => {}
+            None => {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}] ({role}) has no 'content'"
+                )))
+            }
+            Some(Value::Null) | Some(Value::String(_)) => {}
+            Some(Value::Array(parts)) => {
+                let mut norm = Vec::with_capacity(parts.len());
+                for (j, p) in parts.iter().enumerate() {
+                    let ty = p.get("type").and_then(Value::as_str).unwrap_or("");
+                    match ty {
+                        "text" | "input_text" => match p.get("text") {
+                            Some(Value::String(t)) => {
+                                norm.push(json!({"type": "text", "text": t}));
+                            }
+                            _ => {
+                                return Err(ApiError::bad_request(format!(
+                                "messages[{i}].content[{j}] is a text part without a string 'text'"
+                            )))
+                            }
+                        },
+                        "image_url" | "input_image" | "image" => {
+                            return Err(vision_refusal(state, i, ty))
+                        }
+                        "input_audio" | "audio" | "video" | "video_url" | "file" => {
+                            return Err(ApiError::bad_request(format!(
+                                "messages[{i}].content[{j}]: {ty} parts are not supported"
+                            )))
+                        }
+                        "" => {
+                            return Err(ApiError::bad_request(format!(
+                                "messages[{i}].content[{j}] has no 'type'"
+                            )))
+                        }
+                        t => {
+                            return Err(ApiError::bad_request(format!(
+                                "messages[{i}].content[{j}]: unknown part type {t:?}"
+                            )))
+                        }
+                    }
+                }
+                msg.insert("content".into(), Value::Array(norm));
+            }
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}].content must be a string or an array of parts, not {}",
+                    type_name(other)
+                )))
+            }
+        }
+        match obj.get("reasoning_content") {
+            None | Some(Value::Null) | Some(Value::String(_)) => {}
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}].reasoning_content must be a string, not {}",
+                    type_name(other)
+                )))
+            }
+        }
+        if has_calls {
+            let calls = normalize_tool_calls(i, obj.get("tool_calls"))?;
+            msg.insert("tool_calls".into(), calls);
+        }
+        out.push(Value::Object(msg));
+    }
+    Ok(Value::Array(out))
+}
+
+fn normalize_tool_calls(i: usize, v: Option<&Value>) -> Result<Value, ApiError> {
+    let Some(Value::Array(calls)) = v else {
+        return Err(ApiError::bad_request(format!(
+            "messages[{i}].tool_calls must be an array"
+        )));
+    };
+    let mut out = Vec::with_capacity(calls.len());
+    for (j, c) in calls.iter().enumerate() {
+        let Value::Object(call) = c else {
+            return Err(ApiError::bad_request(format!(
+                "messages[{i}].tool_calls[{j}] must be an object"
+            )));
+        };
+        let mut call = call.clone();
+        let Some(Value::Object(f)) = call.get("function") else {
+            return Err(ApiError::bad_request(format!(
+                "messages[{i}].tool_calls[{j}] has no 'function' object"
+            )));
+        };
+        let mut f = f.clone();
+        if !matches!(f.get("name"), Some(Value::String(_))) {
+            return Err(ApiError::bad_request(format!(
+                "messages[{i}].tool_calls[{j}].function has no string 'name'"
+            )));
+        }
+        match f.get("arguments") {
+            None | Some(Value::Null) => {
+                f.insert("arguments".into(), json!({}));
+            }
+            Some(Value::Object(_)) => {}
+            Some(Value::String(s)) => {
+                let parsed: Value = if s.trim().is_empty() {
+                    json!({})
+                } else {
+                    serde_json::from_str(s).map_err(|e| {
+                        ApiError::bad_request(format!(
+                            "messages[{i}].tool_calls[{j}].function.arguments is not valid JSON: {e}"
+                        ))
+                    })?
+                };
+                if !parsed.is_object() {
+                    return Err(ApiError::bad_request(format!(
+                        "messages[{i}].tool_calls[{j}].function.arguments must be a JSON object"
+                    )));
+                }
+                f.insert("arguments".into(), parsed);
+            }
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "messages[{i}].tool_calls[{j}].function.arguments must be a JSON object or its text, not {}",
+                    type_name(other)
+                )))
+            }
+        }
+        call.insert("function".into(), Value::Object(f));
+        out.push(Value::Object(call));
+    }
+    Ok(Value::Array(out))
+}
+
+/// `tools`: None when absent or empty.
+fn parse_tools(body: &Obj) -> Result<Option<Value>, ApiError> {
+    let tools = match field(body, "tools") {
+        None => return Ok(None),
+        Some(Value::Array(a)) if a.is_empty() => return Ok(None),
+        Some(Value::Array(a)) => a,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "'tools' must be an array, not {}",
+                type_name(other)
+            )))
+        }
+    };
+    for (i, t) in tools.iter().enumerate() {
+        let ty = t.get("type").and_then(Value::as_str);
+        if ty != Some("function") {
+            return Err(ApiError::bad_request(format!(
+                "tools[{i}].type must be \"function\""
+            )));
+        }
+        let name = t
+            .get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str);
+        if name.is_none_or(str::is_empty) {
+            return Err(ApiError::bad_request(format!(
+                "tools[{i}].function.name must be a non-empty string"
+            )));
+        }
+    }
+    Ok(Some(Value::Array(tools.clone())))
+}
+
+/// `tool_choice`: "auto" (default), "none", "required", or a named function.
+fn parse_tool_choice(body: &Obj) -> Result<String, ApiError> {
+    match field(body, "tool_choice") {
+        None => Ok("auto".into()),
+        Some(Value::String(s)) if matches!(s.as_str(), "auto" | "none" | "required") => {
+            Ok(s.clone())
+        }
+        Some(Value::String(s)) => Err(ApiError::bad_request(format!(
+            "'tool_choice' {s:?} is not one of auto, none, required"
+        ))),
+        Some(Value::Object(o))
+            if o.get("function")
+                .and_then(|f| f.get("name"))
+                .is_some_and(Value::is_string) =>
+        {
+            Ok("required".into())
+        }
+        Some(other) => Err(ApiError::bad_request(format!(
+            "'tool_choice' must be a string or {{\"type\":\"function\",\"function\":{{\"name\":…}}}}, not {}",
+            type_name(other)
+        ))),
+    }
+}
+
+/// Renders a chat request's prompt (`/v1/chat/completions`, `/apply-template`).
+pub fn render_chat(state: &AppState, body: &Obj) -> Result<RenderedChat, ApiError> {
+    let messages = normalize_messages(state, body.get("messages"))?;
+    let tools = parse_tools(body)?;
+    let tool_choice = parse_tool_choice(body)?;
+    if let Some(rf) = field(body, "response_format") {
+        let ty = rf.get("type").and_then(Value::as_str).unwrap_or("");
+        if !rf.is_object() || !matches!(ty, "text" | "json_object" | "json_schema") {
+            return Err(ApiError::bad_request(
+                "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+            ));
+        }
+        if ty != "text" {
+            state.log(
+                4,
+                "response_format is accepted but not enforced (tern has no grammar sampling yet)",
+            );
+        }
+    }
+    let mut kwargs = Map::new();
+    match state.cfg.reasoning {
+        Reasoning::On => {
+            kwargs.insert("enable_thinking".into(), Value::Bool(true));
+        }
+        Reasoning::Off => {
+            kwargs.insert("enable_thinking".into(), Value::Bool(false));
+        }
+        Reasoning::Auto => {}
+    }
+    match field(body, "chat_template_kwargs") {
+        None => {}
+        Some(Value::Object(o)) => {
+            for (k, v) in o {
+                kwargs.insert(k.clone(), v.clone());
+            }
+        }
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "'chat_template_kwargs' must be an object, not {}",
+                type_name(other)
+            )))
+        }
+    }
+    match kwargs.get("enable_thinking") {
+        None | Some(Value::Bool(_)) => {}
+        Some(Value::Null) => {
+            kwargs.remove("enable_thinking");
+        }
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "chat_template_kwargs.enable_thinking must be a boolean, not {}",
+                type_name(other)
+            )))
+        }
+    }
+    if let Some(e) = opt_str(body, "reasoning_effort")? {
+        kwargs.insert("reasoning_effort".into(), Value::String(e.to_string()));
+    }
+    match kwargs.get("reasoning_effort").cloned() {
+        None | Some(Value::Null) => {
+            kwargs.remove("reasoning_effort");
+        }
+        Some(Value::String(e)) if e.trim().eq_ignore_ascii_case("none") => {
+            kwargs.remove("reasoning_effort");
+            kwargs.insert("enable_thinking".into(), Value::Bool(false));
+        }
+        Some(Value::String(e)) => {
+            let (level, note) = map_reasoning_effort(&e);
+            if let Some(n) = note {
+                state.log(2, n);
+            }
+            kwargs.insert("reasoning_effort".into(), Value::String(level));
+        }
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "'reasoning_effort' must be a string, not {}",
+                type_name(&other)
+            )))
+        }
+    }
+    for k in ["preserve_thinking", "add_vision_id"] {
+        if let Some(v) = kwargs.get(k) {
+            if !v.is_boolean() && !v.is_null() {
+                return Err(ApiError::bad_request(format!(
+                    "chat_template_kwargs.{k} must be a boolean, not {}",
+                    type_name(v)
+                )));
+            }
+        }
+    }
+    let add_generation_prompt = opt_bool(body, "add_generation_prompt")?.unwrap_or(true);
+    let inputs = TemplateInputs {
+        messages,
+        tools: tools.clone(),
+        add_generation_prompt,
+        kwargs,
+        bos_token: state.cfg.meta.bos_token.clone(),
+        eos_token: state.cfg.meta.eos_token.clone(),
+    };
+    let prompt = state
+        .template
+        .render(&inputs)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let format = match opt_str(body, "reasoning_format")? {
+        None => state.cfg.reasoning_format,
+        Some("none") => ReasoningFormat::None,
+        Some("deepseek" | "deepseek-legacy" | "auto") => ReasoningFormat::Deepseek,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "'reasoning_format' {other:?} is not one of deepseek, none"
+            )))
+        }
+    };
+    let parser = ParserConfig {
+        reasoning: format == ReasoningFormat::Deepseek,
+        starts_in_reasoning: ParserConfig::prompt_opens_thinking(&prompt),
+        tools: match (&tools, tool_choice.as_str()) {
+            (Some(t), c) if c != "none" => Some(ToolSpecs::from_openai(t)),
+            _ => None,
+        },
+    };
+    Ok(RenderedChat { prompt, parser })
+}
+
+fn delta_json(d: &Delta) -> Value {
+    match d {
+        Delta::Reasoning(s) => json!({ "reasoning_content": s }),
+        Delta::Content(s) => json!({ "content": s }),
+        Delta::ToolCall(c) => json!({
+            "tool_calls": [{
+                "index": c.index,
+                "id": c.id,
+                "type": "function",
+                "function": { "name": c.name, "arguments": c.arguments },
+            }]
+        }),
+    }
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
+    match chat_impl(state, body.0).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat_impl(state: Arc<AppState>, bytes: Bytes) -> Result<Response, ApiError> {
+    let body = parse_object(&bytes)?;
+    if let Some(m) = field(&body, "model") {
+        if !m.is_string() {
+            return Err(ApiError::bad_request("'model' must be a string"));
+        }
+    }
+    let rendered = render_chat(&state, &body)?;
+    let gen = gen_params(
+        &body,
+        &state.cfg.sampler,
+        state.cfg.fixed_seed,
+        &["n_predict", "max_completion_tokens", "max_tokens"],
+        false,
+    )?;
+    let ids = tokenize(&state, &rendered.prompt)?;
+    check_prompt(&state, &ids)?;
+    state.log(
+        4,
+        format!("chat prompt ({} tokens):\n{}", ids.len(), rendered.prompt),
+    );
+    let req = request_of(&state, ids, &gen);
+    let sub = submit(&state, req, params_of(&state, &gen)).await?;
+    let id = format!("chatcmpl-{}", crate::chat::random_id(32));
+    let created = unix_now();
+    let parser = ChatParser::new(rendered.parser);
+    if gen.stream {
+        Ok(stream_chat(
+            state,
+            sub,
+            parser,
+            id,
+            created,
+            gen.include_usage,
+        ))
+    } else {
+        collect_chat(&state, sub, parser, id, created).await
+    }
+}
+
+fn chunk(state: &AppState, id: &str, created: u64, choices: Value) -> Value {
+    json!({
+        "choices": choices,
+        "created": created,
+        "id": id,
+        "model": state.cfg.alias,
+        "system_fingerprint": state.cfg.build_info,
+        "object": "chat.completion.chunk",
+    })
+}
+
+async fn collect_chat(
+    state: &AppState,
+    mut sub: Submission,
+    mut parser: ChatParser,
+    id: String,
+    created: u64,
+) -> Result<Response, ApiError> {
+    let fin = loop {
+        match sub.rx.recv().await {
+            Some(Event::Token { text, .. }) | Some(Event::Text(text)) => {
+                parser.push(&text);
+            }
+            Some(Event::Started { .. }) => {}
+            Some(Event::Done(f)) => break f,
+            Some(Event::Error(e)) => return Err(e.into()),
+            None => return Err(ApiError::unavailable("the engine stopped")),
+        }
+    };
+    if fin.reason == FinishReason::Cancelled {
+        return Err(cancelled_error());
+    }
+    parser.finish();
+    let msg = parser.message();
+    let mut m = Map::new();
+    m.insert("role".into(), json!("assistant"));
+    m.insert(
+        "content".into(),
+        if msg.content.is_empty() && !msg.tool_calls.is_empty() {
+            Value::Null
+        } else {
+            Value::String(msg.content.clone())
+        },
+    );
+    if !msg.reasoning.is_empty() {
+        m.insert("reasoning_content".into(), json!(msg.reasoning));
+    }
+    if !msg.tool_calls.is_empty() {
+        let calls: Vec<Value> = msg
+            .tool_calls
+            .iter()
+            .map(|c| {
+                json!({
+                    "type": "function",
+                    "function": { "name": c.name, "arguments": c.arguments },
+                    "id": c.id,
+                })
+            })
+            .collect();
+        m.insert("tool_calls".into(), Value::Array(calls));
+    }
+    log_done(state, "chat", &fin, sub.t0);
+    let body = json!({
+        "choices": [{
+            "finish_reason": finish_reason(&fin, !msg.tool_calls.is_empty()),
+            "index": 0,
+            "message": Value::Object(m),
+        }],
+        "created": created,
+        "model": state.cfg.alias,
+        "system_fingerprint": state.cfg.build_info,
+        "object": "chat.completion",
+        "usage": usage_json(&fin),
+        "id": id,
+        "timings": timings_json(&fin),
+    });
+    Ok((StatusCode::OK, axum::Json(body)).into_response())
+}
+
+fn stream_chat(
+    state: Arc<AppState>,
+    mut sub: Submission,
+    mut parser: ChatParser,
+    id: String,
+    created: u64,
+    include_usage: bool,
+) -> Response {
+    let (tx, rx) = mpsc::channel::<Bytes>(64);
+    tokio::spawn(async move {
+        let send = |v: Value| {
+            let tx = tx.clone();
+            async move { tx.send(sse_bytes(&v)).await.is_ok() }
+        };
+        let first = chunk(
+            &state,
+            &id,
+            created,
+            json!([{ "finish_reason": null, "index": 0, "delta": { "role": "assistant", "content": null } }]),
+        );
+        if !send(first).await {
+            return;
+        }
+        let delta_chunk = |d: &Delta| {
+            chunk(
+                &state,
+                &id,
+                created,
+                json!([{ "finish_reason": null, "index": 0, "delta": delta_json(d) }]),
+            )
+        };
+        loop {
+            let ev = sub.rx.recv().await;
+            if tx.is_closed() {
+                // The client is gone (even while the parser holds text back): dropping the
+                // receiver cancels the request.
+                return;
+            }
+            match ev {
+                Some(Event::Token { text, .. }) | Some(Event::Text(text)) => {
+                    for d in parser.push(&text) {
+                        if !send(delta_chunk(&d)).await {
+                            return;
+                        }
+                    }
+                }
+                Some(Event::Started { .. }) => {}
+                Some(Event::Done(fin)) => {
+                    if fin.reason == FinishReason::Cancelled {
+                        let _ = send(cancelled_error().to_json()).await;
+                        return;
+                    }
+                    for d in parser.finish() {
+                        if !send(delta_chunk(&d)).await {
+                            return;
+                        }
+                    }
+                    let fr = finish_reason(&fin, !parser.message().tool_calls.is_empty());
+                    let mut last = chunk(
+                        &state,
+                        &id,
+                        created,
+                        json!([{ "finish_reason": fr, "index": 0, "delta": {} }]),
+                    );
+                    if include_usage {
+                        if !send(last).await {
+                            return;
+                        }
+                        last = chunk(&state, &id, created, json!([]));
+                    }
+                    if let Some(o) = last.as_object_mut() {
+                        o.insert("usage".into(), usage_json(&fin));
+                        o.insert("timings".into(), timings_json(&fin));
+                    }
+                    log_done(&state, "chat (stream)", &fin, sub.t0);
+                    if send(last).await {
+                        let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                    }
+                    return;
+                }
+                Some(Event::Error(e)) => {
+                    let _ = send(ApiError::from(e).to_json()).await;
+                    return;
+                }
+                None => {
+                    let _ = send(ApiError::unavailable("the engine stopped").to_json()).await;
+                    return;
+                }
+            }
+        }
+    });
+    sse_response(rx)
+}

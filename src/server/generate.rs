@@ -1,0 +1,295 @@
+//! The generation machinery shared by the chat and completion endpoints ([`super::chat`],
+//! [`super::completion`]).
+//!
+//! Each request is submitted to the engine and its blocking event channel is bridged into
+//! tokio by a blocking task ([`bridge`]) that also keeps `/slots` current and cancels the
+//! request (freeing its slot) as soon as the client is gone: a streamed response whose body is
+//! dropped, or a handler future that is dropped, closes the channel the bridge writes to.
+
+use std::convert::Infallible;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::http::header;
+use axum::response::Response;
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::StreamExt;
+
+use super::error::ApiError;
+use super::request::GenParams;
+use super::state::AppState;
+use crate::runtime::engine::{Engine, EngineError, Event, Finish, FinishReason, Request};
+// ---------------------------------------------------------------------------------------------
+// Engine bridge
+// ---------------------------------------------------------------------------------------------
+
+/// A submitted request that has a slot.
+pub struct Submission {
+    pub rx: mpsc::UnboundedReceiver<Event>,
+    pub slot: usize,
+    pub cached: usize,
+    pub t0: Instant,
+}
+
+/// The engine, or 503 while it loads.
+pub fn engine(state: &AppState) -> Result<Arc<Engine>, ApiError> {
+    state
+        .ready()
+        .cloned()
+        .ok_or_else(|| ApiError::unavailable("Loading model"))
+}
+
+/// The checks the engine would make, made here so that they are 400s before any stream starts.
+pub fn check_prompt(state: &AppState, ids: &[u32]) -> Result<(), ApiError> {
+    if ids.is_empty() {
+        return Err(ApiError::bad_request("the prompt is empty"));
+    }
+    let n_ctx = state.cfg.n_ctx_slot;
+    if ids.len() >= n_ctx {
+        return Err(ApiError::exceed_context(ids.len(), n_ctx));
+    }
+    let n_vocab = state.cfg.meta.n_vocab;
+    if let Some((i, t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= n_vocab) {
+        return Err(ApiError::bad_request(format!(
+            "prompt token {i} = {t} is outside the vocabulary (n_vocab {n_vocab})"
+        )));
+    }
+    Ok(())
+}
+
+/// Submits `req` and waits until it has a slot (a request beyond the free slots waits here,
+/// counted in requests_deferred). An engine refusal is the matching HTTP error.
+pub async fn submit(
+    state: &Arc<AppState>,
+    req: Request,
+    params: Value,
+) -> Result<Submission, ApiError> {
+    let engine = engine(state)?;
+    let t0 = Instant::now();
+    let max_tokens = Some(req.max_tokens);
+    let n_prompt = req.prompt.len();
+    let handle = engine.submit(req);
+    drop(engine);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let st = state.clone();
+    let task_id = state.new_task_id();
+    tokio::task::spawn_blocking(move || {
+        bridge(&st, handle, tx, task_id, n_prompt, max_tokens, params)
+    });
+    match rx.recv().await {
+        Some(Event::Started {
+            slot,
+            cached_tokens,
+        }) => Ok(Submission {
+            rx,
+            slot,
+            cached: cached_tokens,
+            t0,
+        }),
+        Some(Event::Error(e)) => Err(e.into()),
+        Some(_) => Err(ApiError::server(
+            "the engine answered before assigning a slot",
+        )),
+        None => Err(ApiError::unavailable("the engine stopped")),
+    }
+}
+
+/// Forwards one request's events to tokio, keeps its slot's `/slots` view, and cancels it when
+/// the receiving side is gone or shutdown gives up waiting.
+fn bridge(
+    state: &AppState,
+    handle: crate::runtime::engine::RequestHandle,
+    tx: mpsc::UnboundedSender<Event>,
+    task_id: u64,
+    n_prompt: usize,
+    max_tokens: Option<usize>,
+    params: Value,
+) {
+    let mut slot: Option<usize> = None;
+    let mut cancelled = false;
+    loop {
+        if !cancelled && state.cancel_all.load(Ordering::Relaxed) {
+            handle.cancel();
+            cancelled = true;
+        }
+        match handle.events.recv_timeout(Duration::from_millis(50)) {
+            Ok(ev) => {
+                match &ev {
+                    Event::Started {
+                        slot: s,
+                        cached_tokens,
+                    } => {
+                        slot = Some(*s);
+                        let params = params.clone();
+                        state.with_slot(*s, |v| {
+                            v.id_task = Some(task_id);
+                            v.processing = true;
+                            v.n_prompt_tokens = n_prompt;
+                            v.n_cached = *cached_tokens;
+                            v.n_decoded = 0;
+                            v.max_tokens = max_tokens;
+                            v.params = params;
+                        });
+                    }
+                    Event::Token { .. } => {
+                        if let Some(s) = slot {
+                            state.with_slot(s, |v| v.n_decoded += 1);
+                        }
+                    }
+                    _ => {}
+                }
+                let last = matches!(ev, Event::Done(_) | Event::Error(_));
+                if tx.send(ev).is_err() {
+                    // The client is gone: free the slot now.
+                    handle.cancel();
+                    break;
+                }
+                if last {
+                    break;
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                if tx.is_closed() {
+                    handle.cancel();
+                    break;
+                }
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let _ = tx.send(Event::Error(EngineError::Stopped));
+                break;
+            }
+        }
+    }
+    if let Some(s) = slot {
+        state.with_slot(s, |v| {
+            if v.id_task == Some(task_id) {
+                v.processing = false;
+            }
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared response pieces
+// ---------------------------------------------------------------------------------------------
+
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+pub(super) fn per(n: usize, ms: f64) -> (f64, f64) {
+    if n == 0 || ms <= 0.0 {
+        (0.0, 0.0)
+    } else {
+        (ms / n as f64, n as f64 * 1e3 / ms)
+    }
+}
+
+/// llama-server's `timings` object.
+pub fn timings_json(f: &Finish) -> Value {
+    let t = &f.timings;
+    let (ppt, pps) = per(t.prompt_n, t.prompt_ms);
+    let (gpt, gps) = per(t.predicted_n, t.predicted_ms);
+    json!({
+        "cache_n": f.cached_tokens,
+        "prompt_n": t.prompt_n,
+        "prompt_ms": t.prompt_ms,
+        "prompt_per_token_ms": ppt,
+        "prompt_per_second": pps,
+        "predicted_n": t.predicted_n,
+        "predicted_ms": t.predicted_ms,
+        "predicted_per_token_ms": gpt,
+        "predicted_per_second": gps,
+        "draft_n": t.draft_n,
+        "draft_n_accepted": t.draft_n_accepted,
+    })
+}
+
+pub fn usage_json(f: &Finish) -> Value {
+    json!({
+        "completion_tokens": f.completion_tokens,
+        "prompt_tokens": f.prompt_tokens,
+        "total_tokens": f.prompt_tokens + f.completion_tokens,
+        "prompt_tokens_details": { "cached_tokens": f.cached_tokens },
+    })
+}
+
+pub(super) fn cancelled_error() -> ApiError {
+    ApiError::unavailable("the request was cancelled: the server is shutting down")
+}
+
+pub(super) fn sse_bytes(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+/// An SSE response fed by `rx`.
+pub(super) fn sse_response(rx: mpsc::Receiver<Bytes>) -> Response {
+    let stream = ReceiverStream::new(rx).map(Ok::<Bytes, Infallible>);
+    let mut r = Response::new(Body::from_stream(stream));
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        header::HeaderValue::from_static("text/event-stream"),
+    );
+    h.insert(
+        header::CACHE_CONTROL,
+        header::HeaderValue::from_static("no-cache"),
+    );
+    r
+}
+
+pub(super) fn log_done(state: &AppState, route: &str, f: &Finish, t0: Instant) {
+    state.log(
+        3,
+        format!(
+            "{route}: prompt {} tokens ({} cached), generated {} in {:.0} ms, finish {:?}",
+            f.prompt_tokens,
+            f.cached_tokens,
+            f.completion_tokens,
+            t0.elapsed().as_secs_f64() * 1e3,
+            f.reason
+        ),
+    );
+}
+
+pub(super) fn request_of(state: &AppState, ids: Vec<u32>, gen: &GenParams) -> Request {
+    Request {
+        prompt: ids,
+        max_tokens: gen.max_tokens.unwrap_or(state.cfg.n_ctx_slot),
+        sampler: gen.sampler.clone(),
+        stop: gen.stop.clone(),
+        ignore_eos: gen.ignore_eos,
+    }
+}
+
+pub(super) fn params_of(state: &AppState, gen: &GenParams) -> Value {
+    state.params_json(
+        &gen.sampler,
+        gen.max_tokens,
+        &gen.stop,
+        gen.stream,
+        gen.ignore_eos,
+    )
+}
+
+pub(super) fn finish_reason(f: &Finish, has_tool_calls: bool) -> &'static str {
+    match f.reason {
+        FinishReason::Stop if has_tool_calls => "tool_calls",
+        FinishReason::Stop | FinishReason::Cancelled => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+pub(super) fn tokenize(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    state
+        .tok
+        .encode(text, true, true)
+        .map_err(|e| ApiError::server(format!("tokenizer: {e}")))
+}

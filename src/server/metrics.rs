@@ -1,0 +1,167 @@
+//! `/metrics`: llama-server's 15 `llamacpp:*` families in Prometheus text (plus the labelled
+//! per-position acceptance counter), and tern's own `tern:*` families (the boot ledger, the
+//! backend).
+
+use std::fmt::Write;
+
+use super::state::{AppState, Bucket};
+use crate::runtime::engine::Metrics;
+
+struct Item {
+    name: &'static str,
+    help: &'static str,
+    value: f64,
+}
+
+/// A number as Prometheus reads it (integers without a fraction).
+fn num(v: f64) -> String {
+    if v.is_finite() && v == v.trunc() && v.abs() < 1e15 {
+        format!("{}", v as i64)
+    } else if v.is_finite() {
+        format!("{v}")
+    } else {
+        "0".into()
+    }
+}
+
+/// Renders the text and moves the gauges' window to now.
+pub fn render(state: &AppState, m: &Metrics) -> String {
+    let prev = {
+        let mut b = state.bucket.lock().unwrap_or_else(|p| p.into_inner());
+        let prev = b.clone();
+        *b = Bucket {
+            prompt_tokens: m.prompt_tokens_total,
+            prompt_seconds: m.prompt_seconds_total,
+            predicted_tokens: m.tokens_predicted_total,
+            predicted_seconds: m.tokens_predicted_seconds_total,
+        };
+        prev
+    };
+    let rate = |dn: u64, ds: f64| if ds > 0.0 { dn as f64 / ds } else { 0.0 };
+    let counters = [
+        Item {
+            name: "prompt_tokens_total",
+            help: "Number of prompt tokens processed, excluding cached tokens",
+            value: m.prompt_tokens_total as f64,
+        },
+        Item {
+            name: "prompt_tokens_cached_total",
+            help: "Number of prompt tokens reused from the cache",
+            value: m.prompt_tokens_cached_total as f64,
+        },
+        Item {
+            name: "prompt_seconds_total",
+            help: "Total time spent processing prompts",
+            value: m.prompt_seconds_total,
+        },
+        Item {
+            name: "tokens_predicted_total",
+            help: "Number of generation tokens processed",
+            value: m.tokens_predicted_total as f64,
+        },
+        Item {
+            name: "tokens_predicted_seconds_total",
+            help: "Total time spent generating tokens",
+            value: m.tokens_predicted_seconds_total,
+        },
+        Item {
+            name: "n_decode_total",
+            help: "Total number of llama_decode() calls, excluding speculative decoding and multimodal decoding",
+            value: m.n_decode_total as f64,
+        },
+        Item {
+            name: "n_tokens_max",
+            help: "Largest observed sequence length (prompt + generation)",
+            value: m.n_tokens_max as f64,
+        },
+        Item {
+            name: "spec_decode_num_draft_tokens_total",
+            help: "Speculative: Total draft tokens generated",
+            value: m.spec.drafted as f64,
+        },
+        Item {
+            name: "spec_decode_num_accepted_tokens_total",
+            help: "Speculative: Total draft tokens accepted by the target model",
+            value: m.spec.accepted as f64,
+        },
+        Item {
+            name: "spec_decode_num_drafts_total",
+            help: "Speculative: Total speculative decoding verification steps",
+            value: m.spec.drafts as f64,
+        },
+    ];
+    let gauges = [
+        Item {
+            name: "prompt_tokens_seconds",
+            help: "Average prompt throughput in tokens/s",
+            value: rate(
+                m.prompt_tokens_total.saturating_sub(prev.prompt_tokens),
+                m.prompt_seconds_total - prev.prompt_seconds,
+            ),
+        },
+        Item {
+            name: "predicted_tokens_seconds",
+            help: "Average generation throughput in tokens/s",
+            value: rate(
+                m.tokens_predicted_total
+                    .saturating_sub(prev.predicted_tokens),
+                m.tokens_predicted_seconds_total - prev.predicted_seconds,
+            ),
+        },
+        Item {
+            name: "requests_processing",
+            help: "Number of requests processing",
+            value: m.requests_processing as f64,
+        },
+        Item {
+            name: "requests_deferred",
+            help: "Number of requests deferred",
+            value: m.requests_deferred as f64,
+        },
+        Item {
+            name: "n_busy_slots_per_decode",
+            help: "Average number of busy slots per llama_decode() call",
+            value: m.n_busy_slots_total as f64 / (m.n_decode_total.max(1)) as f64,
+        },
+    ];
+    let mut s = String::new();
+    for (ty, items) in [("counter", &counters[..]), ("gauge", &gauges[..])] {
+        for it in items {
+            let _ = writeln!(s, "# HELP llamacpp:{} {}", it.name, it.help);
+            let _ = writeln!(s, "# TYPE llamacpp:{} {ty}", it.name);
+            let _ = writeln!(s, "llamacpp:{} {}", it.name, num(it.value));
+        }
+    }
+    let name = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total";
+    let _ = writeln!(s, "# HELP {name} Accepted tokens per draft position");
+    let _ = writeln!(s, "# TYPE {name} counter");
+    let n_pos = m
+        .spec
+        .accepted_per_pos
+        .len()
+        .max(state.cfg.spec.as_ref().map(|c| c.n_max).unwrap_or(0));
+    for i in 0..n_pos {
+        let v = m.spec.accepted_per_pos.get(i).copied().unwrap_or(0);
+        let _ = writeln!(s, "{name}{{position=\"{i}\"}} {v}");
+    }
+    // tern's own families.
+    let _ = writeln!(
+        s,
+        "# HELP tern:memory_ledger_bytes The boot memory ledger, bytes per term (tern fit)"
+    );
+    let _ = writeln!(s, "# TYPE tern:memory_ledger_bytes gauge");
+    for (term, bytes) in &state.cfg.ledger {
+        let _ = writeln!(s, "tern:memory_ledger_bytes{{term=\"{term}\"}} {bytes}");
+    }
+    let _ = writeln!(s, "# HELP tern:backend_info The backend the model runs on");
+    let _ = writeln!(s, "# TYPE tern:backend_info gauge");
+    let _ = writeln!(
+        s,
+        "tern:backend_info{{backend=\"{}\"}} 1",
+        state.cfg.backend
+    );
+    let _ = writeln!(s, "# HELP tern:slots_total Slots (--parallel)");
+    let _ = writeln!(s, "# TYPE tern:slots_total gauge");
+    let _ = writeln!(s, "tern:slots_total {}", state.cfg.total_slots);
+    s
+}

@@ -1,0 +1,325 @@
+//! The router: llama-server's routes, its middleware (503 while loading, the API key on every
+//! route but /health) and OpenAI-shaped errors for unknown routes and methods.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use super::chat::{self, render_chat};
+use super::completion;
+use super::error::ApiError;
+use super::generate::unix_now;
+use super::request::{field, opt_bool, parse_object, type_name};
+use super::state::AppState;
+use super::Body as RawBody;
+
+/// The app: every route, with `body_limit` bytes the most a request body may carry.
+pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/models", get(models))
+        .route("/props", get(props))
+        .route("/slots", get(slots))
+        .route("/metrics", get(metrics))
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(completion::completions))
+        .route("/completions", post(completion::completions))
+        .route("/completion", post(completion::completion))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .route("/apply-template", post(apply_template))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), gate))
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(tower_http::catch_panic::CatchPanicLayer::custom(on_panic))
+        .layer(tower_http::cors::CorsLayer::permissive())
+        .with_state(state)
+}
+
+fn on_panic(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
+    ApiError::server("internal error while handling the request").into_response()
+}
+
+async fn not_found() -> Response {
+    ApiError::not_found("File Not Found").into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method not allowed on this route",
+    )
+    .into_response()
+}
+
+fn is_public(path: &str) -> bool {
+    matches!(path, "/health" | "/v1/health")
+}
+
+/// llama-server's order: not ready → 503 on every route; then the API key (not on /health).
+async fn gate(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if req.method() == axum::http::Method::OPTIONS {
+        return next.run(req).await;
+    }
+    if state.ready().is_none() {
+        return ApiError::unavailable("Loading model").into_response();
+    }
+    if let Some(key) = &state.cfg.api_key {
+        if !is_public(req.uri().path()) && !authorized(req.headers(), key) {
+            state.log(
+                2,
+                format!("unauthorized: {} {}", req.method(), req.uri().path()),
+            );
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+fn authorized(h: &HeaderMap, key: &str) -> bool {
+    let given = h
+        .get(header::AUTHORIZATION)
+        .or_else(|| h.get("x-api-key"))
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    let given = given.strip_prefix("Bearer ").unwrap_or(given);
+    constant_time_eq(given.as_bytes(), key.as_bytes())
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+async fn health() -> Response {
+    Json(json!({ "status": "ok" })).into_response()
+}
+
+fn model_info(state: &AppState) -> Value {
+    let m = &state.cfg.meta;
+    json!({
+        "id": state.cfg.alias,
+        "object": "model",
+        "created": unix_now(),
+        "owned_by": "llamacpp",
+        "meta": {
+            "vocab_type": 2,
+            "n_vocab": m.n_vocab,
+            "n_ctx": state.cfg.n_ctx_slot,
+            "n_ctx_train": m.n_ctx_train,
+            "n_embd": m.n_embd,
+            "n_params": m.n_params,
+            "size": m.size,
+            "ftype": m.ftype,
+        },
+    })
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Response {
+    Json(json!({
+        "object": "list",
+        "data": [model_info(&state)],
+    }))
+    .into_response()
+}
+
+async fn props(State(state): State<Arc<AppState>>) -> Response {
+    let c = &state.cfg;
+    let params = state.params_json(&c.sampler, None, &[], false, false);
+    Json(json!({
+        "default_generation_settings": {
+            "id": 0,
+            "n_ctx": c.n_ctx_slot,
+            "speculative": c.spec.is_some(),
+            "is_processing": false,
+            "params": params,
+        },
+        "total_slots": c.total_slots,
+        "model_alias": c.alias,
+        "model_path": c.model_path,
+        "modalities": { "vision": false, "video": false, "audio": false },
+        "endpoint_slots": true,
+        "endpoint_props": true,
+        "endpoint_metrics": c.metrics,
+        "chat_template": state.template.source(),
+        "bos_token": c.meta.bos_token,
+        "eos_token": c.meta.eos_token,
+        "build_info": c.build_info,
+        "is_sleeping": false,
+        "backend": c.backend,
+    }))
+    .into_response()
+}
+
+async fn slots(State(state): State<Arc<AppState>>) -> Response {
+    let Some(engine) = state.ready() else {
+        return ApiError::unavailable("Loading model").into_response();
+    };
+    let m = engine.metrics();
+    let views = state
+        .slots
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let out: Vec<Value> = views
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let (busy, n_tokens) = m.slots.get(i).copied().unwrap_or((false, 0));
+            let mut o = json!({
+                "id": i,
+                "n_ctx": state.cfg.n_ctx_slot,
+                "speculative": state.cfg.spec.is_some(),
+                "is_processing": busy,
+                "n_tokens": n_tokens,
+            });
+            if let (Some(id_task), Some(obj)) = (v.id_task, o.as_object_mut()) {
+                let n_remain = v
+                    .max_tokens
+                    .map(|mx| mx.saturating_sub(v.n_decoded) as i64)
+                    .unwrap_or(-1);
+                obj.insert("id_task".into(), json!(id_task));
+                obj.insert("n_prompt_tokens".into(), json!(v.n_prompt_tokens));
+                obj.insert("n_prompt_tokens_cache".into(), json!(v.n_cached));
+                obj.insert("params".into(), v.params.clone());
+                obj.insert(
+                    "next_token".into(),
+                    json!([{
+                        "has_next_token": busy && v.processing,
+                        "has_new_line": false,
+                        "n_remain": n_remain,
+                        "n_decoded": v.n_decoded,
+                    }]),
+                );
+            }
+            o
+        })
+        .collect();
+    Json(Value::Array(out)).into_response()
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    if !state.cfg.metrics {
+        return ApiError::not_supported(
+            "This server does not support metrics endpoint. Start it with `--metrics`",
+        )
+        .into_response();
+    }
+    let Some(engine) = state.ready() else {
+        return ApiError::unavailable("Loading model").into_response();
+    };
+    let text = super::metrics::render(&state, &engine.metrics());
+    (
+        StatusCode::OK,
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        text,
+    )
+        .into_response()
+}
+
+fn body_of(bytes: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
+    parse_object(bytes)
+}
+
+async fn tokenize(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
+    let r = (|| -> Result<Value, ApiError> {
+        let b = body_of(&body.0)?;
+        let content = match field(&b, "content") {
+            None => return Ok(json!({ "tokens": [] })),
+            Some(Value::String(s)) => s.clone(),
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "'content' must be a string, not {}",
+                    type_name(other)
+                )))
+            }
+        };
+        let add_special = opt_bool(&b, "add_special")?.unwrap_or(false);
+        let parse_special = opt_bool(&b, "parse_special")?.unwrap_or(true);
+        let with_pieces = opt_bool(&b, "with_pieces")?.unwrap_or(false);
+        let ids = state
+            .tok
+            .encode(&content, add_special, parse_special)
+            .map_err(|e| ApiError::server(format!("tokenizer: {e}")))?;
+        if !with_pieces {
+            return Ok(json!({ "tokens": ids }));
+        }
+        let pieces: Vec<Value> = ids
+            .iter()
+            .map(|&id| {
+                let bytes = state.tok.decode_bytes(&[id], false).unwrap_or_default();
+                let piece = match String::from_utf8(bytes) {
+                    Ok(s) => Value::String(s),
+                    Err(e) => json!(e.into_bytes()),
+                };
+                json!({ "id": id, "piece": piece })
+            })
+            .collect();
+        Ok(json!({ "tokens": pieces }))
+    })();
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn detokenize(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
+    let r = (|| -> Result<Value, ApiError> {
+        let b = body_of(&body.0)?;
+        let ids: Vec<u32> = match field(&b, "tokens") {
+            None => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    t.as_u64()
+                        .filter(|&x| (x as usize) < state.cfg.meta.n_vocab)
+                        .map(|x| x as u32)
+                        .ok_or_else(|| {
+                            ApiError::bad_request(format!(
+                                "tokens[{i}] = {t} is not a token id (0..{})",
+                                state.cfg.meta.n_vocab
+                            ))
+                        })
+                })
+                .collect::<Result<_, _>>()?,
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "'tokens' must be an array of token ids, not {}",
+                    type_name(other)
+                )))
+            }
+        };
+        let content = state
+            .tok
+            .decode(&ids, false)
+            .map_err(|e| ApiError::bad_request(format!("{e}")))?;
+        Ok(json!({ "content": content }))
+    })();
+    match r {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn apply_template(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
+    let r = body_of(&body.0).and_then(|b| render_chat(&state, &b));
+    match r {
+        Ok(c) => Json(json!({ "prompt": c.prompt })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}

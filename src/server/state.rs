@@ -1,0 +1,184 @@
+//! What the handlers share: the boot-time configuration, the engine once it is loaded, the
+//! per-slot view for `/slots`, and the flags that drive shutdown.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Instant;
+
+use serde_json::{json, Value};
+
+use crate::chat::ChatTemplate;
+use crate::config::{Reasoning, ReasoningFormat};
+use crate::runtime::engine::Engine;
+use crate::runtime::sampler::SamplerConfig;
+use crate::runtime::speculative::SpecConfig;
+use crate::tokenizer::Tokenizer;
+
+/// The model facts `/v1/models` and `/props` report.
+#[derive(Clone, Debug, Default)]
+pub struct ModelMeta {
+    pub n_vocab: usize,
+    pub n_ctx_train: usize,
+    pub n_embd: usize,
+    pub n_params: u64,
+    /// File size in bytes.
+    pub size: u64,
+    pub ftype: String,
+    pub bos_token: String,
+    pub eos_token: String,
+}
+
+/// Settled at boot, read by every handler.
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub alias: String,
+    pub model_path: String,
+    pub api_key: Option<String>,
+    pub metrics: bool,
+    pub reasoning_format: ReasoningFormat,
+    pub reasoning: Reasoning,
+    /// A projector file was given (`--mmproj`); tern cannot run it yet.
+    pub mmproj: Option<String>,
+    pub n_ctx_slot: usize,
+    pub total_slots: usize,
+    /// Model file defaults, then the flags.
+    pub sampler: SamplerConfig,
+    /// `--seed` when it fixes one (not -1).
+    pub fixed_seed: Option<u64>,
+    pub spec: Option<SpecConfig>,
+    pub backend: String,
+    pub build_info: String,
+    pub verbosity: u32,
+    /// The boot ledger, as (term, bytes), for `tern:` metrics.
+    pub ledger: Vec<(String, u64)>,
+    pub meta: ModelMeta,
+}
+
+/// One slot as `/slots` shows it: the task it runs or ran last.
+#[derive(Clone, Debug, Default)]
+pub struct SlotView {
+    pub id_task: Option<u64>,
+    pub processing: bool,
+    pub n_prompt_tokens: usize,
+    pub n_cached: usize,
+    pub n_decoded: usize,
+    pub max_tokens: Option<usize>,
+    pub params: Value,
+}
+
+/// Counters at the previous `/metrics` scrape (the throughput gauges average over the window
+/// between two scrapes, as llama-server's do).
+#[derive(Clone, Debug, Default)]
+pub struct Bucket {
+    pub prompt_tokens: u64,
+    pub prompt_seconds: f64,
+    pub predicted_tokens: u64,
+    pub predicted_seconds: f64,
+}
+
+pub struct AppState {
+    pub cfg: ServerConfig,
+    pub tok: Arc<Tokenizer>,
+    pub template: ChatTemplate,
+    pub engine: OnceLock<Arc<Engine>>,
+    pub slots: Mutex<Vec<SlotView>>,
+    pub bucket: Mutex<Bucket>,
+    /// Set when shutdown gives up waiting: every bridge cancels its request.
+    pub cancel_all: AtomicBool,
+    pub next_task: AtomicU64,
+    pub started: Instant,
+}
+
+impl AppState {
+    pub fn new(cfg: ServerConfig, tok: Arc<Tokenizer>, template: ChatTemplate) -> AppState {
+        let n = cfg.total_slots;
+        AppState {
+            cfg,
+            tok,
+            template,
+            engine: OnceLock::new(),
+            slots: Mutex::new(vec![SlotView::default(); n]),
+            bucket: Mutex::new(Bucket::default()),
+            cancel_all: AtomicBool::new(false),
+            next_task: AtomicU64::new(0),
+            started: Instant::now(),
+        }
+    }
+
+    pub fn ready(&self) -> Option<&Arc<Engine>> {
+        self.engine.get()
+    }
+
+    pub fn new_task_id(&self) -> u64 {
+        self.next_task.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Logs at llama.cpp's verbosity levels (1 error, 2 warning, 3 info, 4 debug).
+    pub fn log(&self, level: u32, msg: impl AsRef<str>) {
+        if level <= self.cfg.verbosity {
+            log_line(level, msg.as_ref());
+        }
+    }
+
+    /// Updates one slot's view (a poisoned lock is recovered: the view is advisory).
+    pub fn with_slot(&self, slot: usize, f: impl FnOnce(&mut SlotView)) {
+        let mut g = self.slots.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = g.get_mut(slot) {
+            f(s);
+        }
+    }
+
+    /// The generation settings llama-server reports (`/props`, `/slots`, `/completion`).
+    pub fn params_json(
+        &self,
+        s: &SamplerConfig,
+        max_tokens: Option<usize>,
+        stop: &[String],
+        stream: bool,
+        ignore_eos: bool,
+    ) -> Value {
+        let n_predict = max_tokens.map(|n| n as i64).unwrap_or(-1);
+        let spec = self.cfg.spec.as_ref();
+        json!({
+            "seed": s.seed,
+            "temperature": f32j(s.temperature),
+            "top_k": s.top_k,
+            "top_p": f32j(s.top_p),
+            "min_p": f32j(s.min_p),
+            "repeat_last_n": if s.penalty_last_n == usize::MAX { -1 } else { s.penalty_last_n as i64 },
+            "presence_penalty": f32j(s.presence_penalty),
+            "frequency_penalty": f32j(s.frequency_penalty),
+            "max_tokens": n_predict,
+            "n_predict": n_predict,
+            "stop": stop,
+            "ignore_eos": ignore_eos,
+            "stream": stream,
+            "samplers": ["penalties", "top_k", "top_p", "min_p", "temperature"],
+            "reasoning_format": match self.cfg.reasoning_format {
+                ReasoningFormat::Deepseek => "deepseek",
+                ReasoningFormat::None => "none",
+            },
+            "speculative.type": if spec.is_some() { "draft-mtp" } else { "none" },
+            "speculative.n_max": spec.map(|s| s.n_max).unwrap_or(0),
+            "speculative.n_min": spec.map(|s| s.n_min).unwrap_or(0),
+            "speculative.p_min": f32j(spec.map(|s| s.p_min).unwrap_or(0.0)),
+        })
+    }
+}
+
+/// An f32 as the decimal it was written as (0.95, not 0.949999988079071).
+pub fn f32j(x: f32) -> Value {
+    let v: f64 = format!("{x}").parse().unwrap_or(x as f64);
+    json!(v)
+}
+
+/// One log line on stderr: `LEVEL message`.
+pub fn log_line(level: u32, msg: &str) {
+    let tag = match level {
+        0 | 1 => "E",
+        2 => "W",
+        3 => "I",
+        _ => "D",
+    };
+    eprintln!("{tag} serve: {msg}");
+}
