@@ -144,6 +144,29 @@ pub fn dot_row(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {
     dot_row_portable(ty, row, x)
 }
 
+/// `dot_row` of one stored row with each of `T` activation rows, the row's blocks decoded once
+/// for all of them (a few tokens of a batch). Every result is bit-identical to
+/// `dot_row(ty, row, xs[t])`.
+pub fn dot_rows<const T: usize>(ty: GgmlType, row: &[u8], xs: [&[f32]; T]) -> [f32; T] {
+    #[cfg(target_arch = "x86_64")]
+    if x86::available() {
+        debug_assert!(xs
+            .iter()
+            .all(|x| ty.row_bytes(x.len() as u64) == Some(row.len() as u64)));
+        // SAFETY: `available` checked that the CPU has AVX2 and F16C.
+        unsafe {
+            match ty {
+                GgmlType::Q8_0 => return x86::dot_q8_0_n(row, xs),
+                GgmlType::Q4_0 => return x86::dot_q4_0_n(row, xs),
+                GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => return x86::dot_pq2_0_n(row, xs),
+                GgmlType::PTQ1_0 => return x86::dot_ptq1_0_n(row, xs),
+                _ => {}
+            }
+        }
+    }
+    xs.map(|x| dot_row(ty, row, x))
+}
+
 /// `dot_row` without SIMD intrinsics. It performs the same float operations in the same order
 /// as the AVX2 kernels, so both return bit-identical sums.
 pub(crate) fn dot_row_portable(ty: GgmlType, row: &[u8], x: &[f32]) -> f32 {

@@ -28,42 +28,66 @@ unsafe fn hsum(a: __m256) -> f32 {
     _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_movehdup_ps(v))
 }
 
+/// The f16 at `p` converted and broadcast to all 8 lanes. Converting 8 copies (rather than
+/// converting one lane and broadcasting it) leaves no lane undefined, so the compiler does not
+/// merge the load into an arbitrary register and chain every block on that register's last
+/// writer (the accumulator, as it happened: a loop-carried dependency through every block).
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
-unsafe fn f16_at(p: *const u8) -> f32 {
+unsafe fn f16_splat(p: *const u8) -> __m256 {
     let h = u16::from_le_bytes([*p, *p.add(1)]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+    _mm256_cvtph_ps(_mm_set1_epi16(h as i16))
 }
 
-/// Defines a block kernel. `$pre` runs once per block (starting at `$b`) and is bound to `$buf`;
-/// `$levels` evaluates to the 8 levels of group `$g` (elements 8g..8g+8).
+/// Defines a block kernel `$name(row, x)` and its multi-token form `$multi::<T>(row, xs)`,
+/// which decodes each group of levels once and multiplies it with all `T` activation rows, every
+/// row's sum formed exactly as `$name` forms it. `$pre` runs once per block (starting at `$b`)
+/// and is bound to `$buf`; `$levels` evaluates to the 8 levels of group `$g` (elements
+/// 8g..8g+8).
 macro_rules! block_kernel {
-    ($name:ident, qk: $qk:expr, bytes: $bytes:expr, scale_at: $scale_at:expr,
+    ($name:ident, $multi:ident, qk: $qk:expr, bytes: $bytes:expr, scale_at: $scale_at:expr,
      |$b:ident, $buf:ident = $pre:expr, $g:ident| $levels:expr) => {
         #[target_feature(enable = "avx2,f16c")]
-        pub(super) unsafe fn $name(row: &[u8], x: &[f32]) -> f32 {
+        #[inline]
+        pub(super) unsafe fn $multi<const T: usize>(row: &[u8], xs: [&[f32]; T]) -> [f32; T] {
             const GROUPS: usize = $qk / 8;
-            let nb = (row.len() / $bytes).min(x.len() / $qk);
-            let mut acc = _mm256_setzero_ps();
+            let nb = xs
+                .iter()
+                .fold(row.len() / $bytes, |n, x| n.min(x.len() / $qk));
+            let mut acc = [_mm256_setzero_ps(); T];
             for i in 0..nb {
                 let $b = row.as_ptr().add(i * $bytes);
-                let xp = x.as_ptr().add(i * $qk);
                 #[allow(clippy::let_unit_value)]
                 let $buf = $pre;
-                let mut c = [_mm256_setzero_ps(); 4];
+                let mut c = [[_mm256_setzero_ps(); 4]; T];
                 for $g in 0..GROUPS {
-                    let p = _mm256_mul_ps($levels, _mm256_loadu_ps(xp.add(8 * $g)));
-                    c[$g % 4] = if $g < 4 {
-                        p
-                    } else {
-                        _mm256_add_ps(c[$g % 4], p)
-                    };
+                    let levels = $levels;
+                    for (c, x) in c.iter_mut().zip(xs) {
+                        let xv = _mm256_loadu_ps(x.as_ptr().add(i * $qk + 8 * $g));
+                        let p = _mm256_mul_ps(levels, xv);
+                        c[$g % 4] = if $g < 4 {
+                            p
+                        } else {
+                            _mm256_add_ps(c[$g % 4], p)
+                        };
+                    }
                 }
-                let s = _mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3]));
-                let d = _mm256_set1_ps(f16_at($b.add($scale_at)));
-                acc = _mm256_add_ps(acc, _mm256_mul_ps(d, s));
+                let d = f16_splat($b.add($scale_at));
+                for (acc, c) in acc.iter_mut().zip(&c) {
+                    let s = _mm256_add_ps(_mm256_add_ps(c[0], c[1]), _mm256_add_ps(c[2], c[3]));
+                    *acc = _mm256_add_ps(*acc, _mm256_mul_ps(d, s));
+                }
             }
-            hsum(acc)
+            let mut out = [0.0; T];
+            for (o, &a) in out.iter_mut().zip(&acc) {
+                *o = hsum(a);
+            }
+            out
+        }
+
+        #[target_feature(enable = "avx2,f16c")]
+        pub(super) unsafe fn $name(row: &[u8], x: &[f32]) -> f32 {
+            $multi::<1>(row, [x])[0]
         }
     };
 }
@@ -82,11 +106,11 @@ unsafe fn i16x8_to_f32(p: *const i16) -> __m256 {
     _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_loadu_si128(p as *const __m128i)))
 }
 
-block_kernel!(dot_q8_0, qk: 32, bytes: 34, scale_at: 0, |b, _unused = (), g| {
+block_kernel!(dot_q8_0, dot_q8_0_n, qk: 32, bytes: 34, scale_at: 0, |b, _unused = (), g| {
     i8x8_to_f32(b.add(2 + 8 * g) as *const i8)
 });
 
-block_kernel!(dot_q4_0, qk: 32, bytes: 18, scale_at: 0, |b, _unused = (), g| {
+block_kernel!(dot_q4_0, dot_q4_0_n, qk: 32, bytes: 18, scale_at: 0, |b, _unused = (), g| {
     // groups 0, 1: low nibbles of bytes 0..8, 8..16; groups 2, 3: their high nibbles
     let v = _mm_loadl_epi64(b.add(2 + 8 * (g % 2)) as *const __m128i);
     let v = if g < 2 { v } else { _mm_srli_epi16::<4>(v) };
@@ -94,39 +118,23 @@ block_kernel!(dot_q4_0, qk: 32, bytes: 18, scale_at: 0, |b, _unused = (), g| {
     _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)), _mm256_set1_ps(8.0))
 });
 
-/// The 128 PQ2_0 levels (code - 1) of the block at `b`, in element order.
+/// The levels (code - 1) of elements `8g..8g+8` of the PQ2_0 block at `b`, as floats.
+///
+/// The 16 code bits of the group are bytes `2 + 2g` and `3 + 2g`; the four bytes from `2g` on
+/// (inside the block for every group) are broadcast to all lanes, lane `e` shifts its code to
+/// the bottom, and a permute looks the level up. The permute reads three index bits, the third
+/// being the next code's low bit, so the table holds the four levels twice.
 #[target_feature(enable = "avx2,f16c")]
 #[inline]
-unsafe fn pq2_0_levels(b: *const u8) -> [i8; 128] {
-    let v = _mm256_loadu_si256(b.add(2) as *const __m256i);
-    let m = _mm256_set1_epi8(3);
-    // c_s holds code s of every byte: element 4j + s for byte j
-    let c0 = _mm256_and_si256(v, m);
-    let c1 = _mm256_and_si256(_mm256_srli_epi16::<2>(v), m);
-    let c2 = _mm256_and_si256(_mm256_srli_epi16::<4>(v), m);
-    let c3 = _mm256_and_si256(_mm256_srli_epi16::<6>(v), m);
-    // Interleave back to element order. AVX2 unpacks work per 128-bit lane, so r_k holds
-    // elements 16k..16k+16 in its low lane and 64+16k..64+16k+16 in its high lane.
-    let lo01 = _mm256_unpacklo_epi8(c0, c1);
-    let hi01 = _mm256_unpackhi_epi8(c0, c1);
-    let lo23 = _mm256_unpacklo_epi8(c2, c3);
-    let hi23 = _mm256_unpackhi_epi8(c2, c3);
-    let one = _mm256_set1_epi8(1);
-    let r0 = _mm256_sub_epi8(_mm256_unpacklo_epi16(lo01, lo23), one);
-    let r1 = _mm256_sub_epi8(_mm256_unpackhi_epi16(lo01, lo23), one);
-    let r2 = _mm256_sub_epi8(_mm256_unpacklo_epi16(hi01, hi23), one);
-    let r3 = _mm256_sub_epi8(_mm256_unpackhi_epi16(hi01, hi23), one);
-    let mut out = [0i8; 128];
-    let o = out.as_mut_ptr() as *mut __m256i;
-    _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(r0, r1));
-    _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x20>(r2, r3));
-    _mm256_storeu_si256(o.add(2), _mm256_permute2x128_si256::<0x31>(r0, r1));
-    _mm256_storeu_si256(o.add(3), _mm256_permute2x128_si256::<0x31>(r2, r3));
-    out
+unsafe fn pq2_0_group(b: *const u8, g: usize) -> __m256 {
+    let w = _mm256_set1_epi32(std::ptr::read_unaligned(b.add(2 * g) as *const i32));
+    let idx = _mm256_srlv_epi32(w, _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30));
+    let table = _mm256_setr_ps(-1.0, 0.0, 1.0, 2.0, -1.0, 0.0, 1.0, 2.0);
+    _mm256_permutevar8x32_ps(table, idx)
 }
 
-block_kernel!(dot_pq2_0, qk: 128, bytes: 34, scale_at: 0, |b, levels = pq2_0_levels(b), g| {
-    i8x8_to_f32(levels.as_ptr().add(8 * g))
+block_kernel!(dot_pq2_0, dot_pq2_0_n, qk: 128, bytes: 34, scale_at: 0, |b, _unused = (), g| {
+    pq2_0_group(b, g)
 });
 
 /// The 128 PTQ1_0 levels (trit - 1) of the block at `b`, in element order.
@@ -174,7 +182,7 @@ unsafe fn ptq1_0_levels(b: *const u8) -> [i16; 128] {
     out
 }
 
-block_kernel!(dot_ptq1_0, qk: 128, bytes: 28, scale_at: 26, |b, levels = ptq1_0_levels(b), g| {
+block_kernel!(dot_ptq1_0, dot_ptq1_0_n, qk: 128, bytes: 28, scale_at: 26, |b, levels = ptq1_0_levels(b), g| {
     i16x8_to_f32(levels.as_ptr().add(8 * g))
 });
 

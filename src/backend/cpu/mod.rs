@@ -1,24 +1,82 @@
-//! The f32 reference backend: plain loops, rayon across output rows and heads.
+//! The f32 reference backend: plain loops, rayon across output rows, tokens and heads.
 //!
-//! Weights stay in the mmap in their stored dtype; matvec streams each row through
-//! `quant::dot_row`, so a 2.7 GB quantized file decodes without an f32 copy of itself.
+//! Weights stay in the mmap in their stored dtype. One token's matvec streams each row through
+//! `quant::dot_row`, so a 2.7 GB quantized file decodes without an f32 copy of itself; several
+//! tokens go through `gemm`, which dequantizes a tile of rows at a time into per-thread scratch
+//! and multiplies it with every token row. Activations stay f32 throughout: the fast paths
+//! change the order of f32 sums, never the precision.
+//!
+//! `gemm` holds the register-blocked products (the many-token matmul and attention's two
+//! products), `attention` and `gdn` the two mixer cores, `math` the vectorized exp and the
+//! activations built on it.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 
 use super::{
     AttnParams, Backend, BackendError, Fold, GdnParams, GdnWeights, KvTypes, WeightSource,
 };
-use crate::quant::{self, hadamard::HadamardConfig};
+use crate::quant::{self, hadamard::GdnPermutation, hadamard::HadamardConfig};
 use crate::tensor::GgmlType;
+use math::{sigmoid, silu};
+
+mod attention;
+mod gdn;
+mod gemm;
+mod math;
 
 #[derive(Default)]
-pub struct CpuBackend;
+pub struct CpuBackend {
+    /// The last folded matmul input and its transform: q/k/v, qkv/gate and ffn gate/up each
+    /// share one input, so the transform runs once per activation rather than once per weight.
+    fold_memo: Mutex<Option<FoldMemo>>,
+}
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend
+        CpuBackend::default()
+    }
+
+    /// `x` with `fold`'s forward rule applied to every row, from the memo when the last folded
+    /// input was the same fold on the same values.
+    fn folded_input(&self, fold: &Fold, x: &Tensor) -> Arc<Vec<f32>> {
+        let lock = || self.fold_memo.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = lock().as_ref().filter(|m| m.holds(fold, x)) {
+            return m.output.clone();
+        }
+        let mut t = x.data.clone();
+        t.par_chunks_mut(x.cols)
+            .for_each_init(Vec::new, |scratch, row| fold.apply(row, scratch));
+        let output = Arc::new(t);
+        *lock() = Some(FoldMemo {
+            hadamard: fold.hadamard.clone(),
+            perm: fold.perm,
+            cols: x.cols,
+            input: x.data.clone(),
+            output: output.clone(),
+        });
+        output
+    }
+}
+
+/// A transformed matmul input, keyed by the fold and a copy of the input values: a key that is
+/// compared by value cannot go stale.
+struct FoldMemo {
+    hadamard: Arc<HadamardConfig>,
+    perm: Option<GdnPermutation>,
+    cols: usize,
+    input: Vec<f32>,
+    output: Arc<Vec<f32>>,
+}
+
+impl FoldMemo {
+    fn holds(&self, fold: &Fold, x: &Tensor) -> bool {
+        Arc::ptr_eq(&self.hadamard, &fold.hadamard)
+            && self.perm == fold.perm
+            && self.cols == x.cols
+            && bytemuck::cast_slice::<f32, u32>(&self.input)
+                == bytemuck::cast_slice::<f32, u32>(&x.data)
     }
 }
 
@@ -51,6 +109,9 @@ pub struct Weight {
     row_bytes: usize,
     /// Small 1-D weights (norms, biases, conv taps) decoded once; matrices stay in the mmap.
     dense: Option<Vec<f32>>,
+    /// A small 2-D weight transposed, `[ne0][rows]` (the GDN conv taps, read one tap across
+    /// every channel).
+    dense_t: Option<Vec<f32>>,
     fold: Option<Fold>,
     inverse: Option<Arc<HadamardConfig>>,
 }
@@ -64,6 +125,12 @@ impl Weight {
         self.dense
             .as_deref()
             .expect("dense view of a matrix weight")
+    }
+    /// The decoded values of a small 2-D weight, transposed to `[ne0][rows]`.
+    pub fn dense_t(&self) -> &[f32] {
+        self.dense_t
+            .as_deref()
+            .expect("transposed view of a small 2-D weight")
     }
 }
 
@@ -92,6 +159,13 @@ pub struct Recurrent {
     pub ssm: Vec<f32>,
 }
 
+/// Elements per rayon task in elementwise ops: below this a split costs more than it saves.
+const ELEM_CHUNK: usize = 1 << 14;
+
+/// Token counts up to this go through the multi-token row kernels rather than `gemm`: below it,
+/// dequantizing a tile costs more than decoding the blocks in registers once per token set.
+const SMALL_BATCH: usize = 4;
+
 /// Rows per rayon task in matvec: enough work per task to amortise the scheduling.
 const ROW_CHUNK: usize = 32;
 
@@ -114,17 +188,8 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 fn rms_scale(x: &[f32], eps: f32) -> f32 {
-    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    let mean = (ss / x.len() as f64) as f32;
+    let mean = (math::sum_sq(x) / x.len() as f64) as f32;
     1.0 / (mean + eps).sqrt()
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
-}
-
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
 }
 
 fn softplus(x: f32) -> f32 {
@@ -135,21 +200,16 @@ fn softplus(x: f32) -> f32 {
     }
 }
 
-/// `x / max(||x||, eps)`, ggml's l2_norm.
-fn l2_normalize(x: &mut [f32], eps: f32) {
-    let ss: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
-    let scale = 1.0 / (ss.sqrt() as f32).max(eps);
-    x.iter_mut().for_each(|v| *v *= scale);
-}
-
-/// NEOX rotation of the first `n_rot` dims of one head, pairs `(i, i + n_rot/2)`, with ggml's
-/// interleaved M-RoPE sector rule: text positions are `(p, p, p, 0)`, so pairs in the fourth
-/// section (or past the three) rotate by position 0, i.e. not at all.
-fn rope_neox(x: &mut [f32], pos: usize, n_rot: usize, base: f32, sections: [i32; 4]) {
+/// The `(sin, cos)` of each rotated pair of a head at position `pos`, for `rope_apply`: NEOX
+/// pairs `(i, i + n_rot/2)` with ggml's interleaved M-RoPE sector rule. Text positions are
+/// `(p, p, p, 0)`, so pairs in the fourth section (or past the three) rotate by position 0,
+/// i.e. not at all.
+fn rope_table(pos: usize, n_rot: usize, base: f32, sections: [i32; 4]) -> Vec<(f32, f32)> {
     let half = n_rot / 2;
     let theta_scale = base.powf(-2.0 / n_rot as f32);
     let sect_dims: i32 = sections.iter().sum();
     let mut theta_p = pos as f32;
+    let mut table = Vec::with_capacity(half);
     for i in 0..half {
         let theta = if sect_dims > 0 {
             let s = (i as i32) % sect_dims;
@@ -164,12 +224,20 @@ fn rope_neox(x: &mut [f32], pos: usize, n_rot: usize, base: f32, sections: [i32;
         } else {
             theta_p
         };
-        let (sin, cos) = theta.sin_cos();
+        table.push(theta.sin_cos());
+        theta_p *= theta_scale;
+    }
+    table
+}
+
+/// Rotates the first `2 * table.len()` dims of one head.
+fn rope_apply(x: &mut [f32], table: &[(f32, f32)]) {
+    let half = table.len();
+    for (i, &(sin, cos)) in table.iter().enumerate() {
         let a = x[i];
         let b = x[i + half];
         x[i] = a * cos - b * sin;
         x[i + half] = a * sin + b * cos;
-        theta_p *= theta_scale;
     }
 }
 
@@ -206,8 +274,14 @@ impl Backend for CpuBackend {
         } else {
             None
         };
+        let dense_t = dense.as_ref().filter(|_| rows > 1).map(|d| {
+            (0..ne0)
+                .flat_map(|i| (0..rows).map(move |r| d[r * ne0 + i]))
+                .collect()
+        });
         Ok(Weight {
             src: w.clone(),
+            dense_t,
             ty,
             ne0,
             rows,
@@ -294,92 +368,90 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, w: &Weight, x: &Tensor) -> Tensor {
         assert_eq!(x.cols, w.ne0, "matmul {}: input width", w.src.name());
-        let input: std::borrow::Cow<Tensor> = match &w.fold {
-            None => std::borrow::Cow::Borrowed(x),
+        let folded;
+        let x = match &w.fold {
+            None => &x.data,
             Some(fold) => {
-                let mut t = x.clone();
-                t.data
-                    .par_chunks_mut(x.cols)
-                    .for_each_init(Vec::new, |scratch, row| fold.apply(row, scratch));
-                std::borrow::Cow::Owned(t)
+                folded = self.folded_input(fold, x);
+                &*folded
             }
         };
-        let x = input.as_ref();
-        let n_out = w.rows;
-        let n_tok = x.rows;
+        let (k, n_out) = (w.ne0, w.rows);
+        let n_tok = x.len() / k;
+        let mut out = Tensor::zeros(n_tok, n_out);
         if let Some(d) = &w.dense {
-            let mut out = Tensor::zeros(n_tok, n_out);
-            for t in 0..n_tok {
-                for r in 0..n_out {
-                    out.data[t * n_out + r] = dot(&d[r * w.ne0..(r + 1) * w.ne0], x.row(t));
+            for (xt, ot) in x.chunks_exact(k).zip(out.data.chunks_exact_mut(n_out)) {
+                for (o, dr) in ot.iter_mut().zip(d.chunks_exact(k)) {
+                    *o = dot(dr, xt);
                 }
             }
-            return out;
-        }
-        if n_tok == 1 {
-            let mut out = Tensor::zeros(1, n_out);
+        } else if n_tok == 1 {
+            // One token: stream each stored row through its dot kernel.
             out.data
                 .par_chunks_mut(ROW_CHUNK)
                 .enumerate()
                 .for_each(|(c, chunk)| {
                     for (i, o) in chunk.iter_mut().enumerate() {
-                        *o = quant::dot_row(w.ty, w.row_data(c * ROW_CHUNK + i), &x.data);
+                        *o = quant::dot_row(w.ty, w.row_data(c * ROW_CHUNK + i), x);
                     }
                 });
-            return out;
-        }
-        // Many tokens: decode each weight row once, then dot it with every token.
-        let mut out_t = vec![0f32; n_out * n_tok];
-        out_t
-            .par_chunks_mut(ROW_CHUNK * n_tok)
-            .enumerate()
-            .for_each_init(
-                || vec![0f32; w.ne0],
-                |row_f32, (c, chunk)| {
-                    for (i, o) in chunk.chunks_mut(n_tok).enumerate() {
-                        let r = c * ROW_CHUNK + i;
-                        quant::dequantize_row(w.ty, w.row_data(r), row_f32)
-                            .expect("row length validated at load");
-                        for (t, o) in o.iter_mut().enumerate() {
-                            *o = dot(row_f32, x.row(t));
+        } else if n_tok <= SMALL_BATCH {
+            // A few tokens (a batch of decoding sequences, drafts to verify): stream each stored
+            // row once through the multi-token kernel, each token's sum exactly `dot_row`'s.
+            let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
+            let mut out_t = vec![0f32; n_out * n_tok];
+            out_t
+                .par_chunks_mut(ROW_CHUNK * n_tok)
+                .enumerate()
+                .for_each(|(c, chunk)| {
+                    for (i, o) in chunk.chunks_exact_mut(n_tok).enumerate() {
+                        let row = w.row_data(c * ROW_CHUNK + i);
+                        match *xs.as_slice() {
+                            [a, b] => o.copy_from_slice(&quant::dot_rows(w.ty, row, [a, b])),
+                            [a, b, c] => o.copy_from_slice(&quant::dot_rows(w.ty, row, [a, b, c])),
+                            [a, b, c, d] => {
+                                o.copy_from_slice(&quant::dot_rows(w.ty, row, [a, b, c, d]))
+                            }
+                            _ => unreachable!("2 to SMALL_BATCH tokens"),
                         }
                     }
-                },
-            );
-        let mut out = Tensor::zeros(n_tok, n_out);
-        for r in 0..n_out {
-            for t in 0..n_tok {
-                out.data[t * n_out + r] = out_t[r * n_tok + t];
+                });
+            for (r, o) in out_t.chunks_exact(n_tok).enumerate() {
+                for (t, &v) in o.iter().enumerate() {
+                    out.data[t * n_out + r] = v;
+                }
             }
+        } else {
+            // Many tokens: dequantized weight tiles times every token row.
+            gemm::matmul(w.ty, w.src.bytes(), w.row_bytes, n_out, x, k, &mut out.data);
         }
         out
     }
 
     fn add_assign(&self, x: &mut Tensor, y: &Tensor) {
         assert_eq!(x.data.len(), y.data.len());
-        x.data.iter_mut().zip(&y.data).for_each(|(a, &b)| *a += b);
+        x.data
+            .par_chunks_mut(ELEM_CHUNK)
+            .zip(y.data.par_chunks(ELEM_CHUNK))
+            .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(a, &b)| *a += b));
     }
 
     fn swiglu(&self, gate: &Tensor, up: &Tensor) -> Tensor {
         assert_eq!(gate.data.len(), up.data.len());
-        let data = gate
-            .data
-            .iter()
-            .zip(&up.data)
-            .map(|(&g, &u)| silu(g) * u)
-            .collect();
-        Tensor {
-            data,
-            rows: gate.rows,
-            cols: gate.cols,
-        }
+        let mut out = Tensor::zeros(gate.rows, gate.cols);
+        out.data
+            .par_chunks_mut(ELEM_CHUNK)
+            .zip(gate.data.par_chunks(ELEM_CHUNK))
+            .zip(up.data.par_chunks(ELEM_CHUNK))
+            .for_each(|((o, g), u)| math::swiglu(o, g, u));
+        out
     }
 
     fn new_kv(&self, p: &AttnParams, types: KvTypes) -> Result<Kv, BackendError> {
         types.check()?;
         let width = p.n_head_kv * p.head_dim;
         for t in [types.k, types.v] {
-            if width % t.block_size() != 0 {
+            if !width.is_multiple_of(t.block_size()) {
                 return Err(BackendError::BadWeight {
                     name: "KV cache".into(),
                     what: format!("row width {width} is not a multiple of the {t} block size"),
@@ -425,66 +497,43 @@ impl Backend for CpuBackend {
             self.kv_len(kv)
         );
         let (qn, kn) = (q_norm.dense(), k_norm.dense());
-        // Queries and gates, normed and rotated.
-        let mut q = vec![0f32; n_tok * p.n_head * hd];
-        let mut gate = vec![0f32; n_tok * p.n_head * hd];
-        for t in 0..n_tok {
-            for h in 0..p.n_head {
-                let src = &qg.row(t)[h * 2 * hd..(h + 1) * 2 * hd];
-                let dq = &mut q[(t * p.n_head + h) * hd..][..hd];
-                let s = rms_scale(&src[..hd], p.eps);
-                for i in 0..hd {
-                    dq[i] = src[i] * s * qn[i];
-                }
-                rope_neox(dq, pos0 + t, p.n_rot, p.rope_base, p.rope_sections);
-                gate[(t * p.n_head + h) * hd..][..hd].copy_from_slice(&src[hd..]);
-            }
-            for h in 0..p.n_head_kv {
-                let src = &k.row(t)[h * hd..(h + 1) * hd];
-                let s = rms_scale(src, p.eps);
-                let mut kr: Vec<f32> = src.iter().zip(kn).map(|(&x, &g)| x * s * g).collect();
-                rope_neox(&mut kr, pos0 + t, p.n_rot, p.rope_base, p.rope_sections);
-                kv.k.extend_from_slice(&kr);
-            }
-            {
-                let n = kv.k.len();
-                round_through(kv.types.k, &mut kv.k[n - kv.width..]);
-            }
-            kv.v.extend_from_slice(v.row(t));
-            let n = kv.v.len();
-            round_through(kv.types.v, &mut kv.v[n - kv.width..]);
-        }
-        let group = p.n_head / p.n_head_kv;
-        let width = kv.width;
-        let mut out = Tensor::zeros(n_tok, p.n_head * hd);
-        let (kc, vc) = (&kv.k, &kv.v);
-        out.data
-            .par_chunks_mut(hd)
+        let (nh, width) = (p.n_head, kv.width);
+        // Per token: queries and gates split, q and k normed and rotated.
+        let mut q = vec![0f32; n_tok * nh * hd];
+        let mut gate = vec![0f32; n_tok * nh * hd];
+        let mut k_new = vec![0f32; n_tok * width];
+        q.par_chunks_mut(nh * hd)
+            .zip(gate.par_chunks_mut(nh * hd))
+            .zip(k_new.par_chunks_mut(width))
             .enumerate()
-            .for_each(|(idx, o)| {
-                let (t, h) = (idx / p.n_head, idx % p.n_head);
-                let kvh = h / group;
-                let qh = &q[idx * hd..(idx + 1) * hd];
-                let n_ctx = pos0 + t + 1;
-                let mut scores: Vec<f32> = (0..n_ctx)
-                    .map(|j| dot(qh, &kc[j * width + kvh * hd..][..hd]) * p.scale)
-                    .collect();
-                let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f64;
-                for s in scores.iter_mut() {
-                    *s = (*s - m).exp();
-                    sum += *s as f64;
+            .for_each(|(t, ((qt, gt), kt))| {
+                let rope = rope_table(pos0 + t, p.n_rot, p.rope_base, p.rope_sections);
+                for h in 0..nh {
+                    let src = &qg.row(t)[h * 2 * hd..(h + 1) * 2 * hd];
+                    let dq = &mut qt[h * hd..(h + 1) * hd];
+                    let s = rms_scale(&src[..hd], p.eps);
+                    for i in 0..hd {
+                        dq[i] = src[i] * s * qn[i];
+                    }
+                    rope_apply(dq, &rope);
+                    gt[h * hd..(h + 1) * hd].copy_from_slice(&src[hd..]);
                 }
-                let inv = (1.0 / sum) as f32;
-                for (j, &s) in scores.iter().enumerate() {
-                    let vr = &vc[j * width + kvh * hd..][..hd];
-                    let w = s * inv;
-                    o.iter_mut().zip(vr).for_each(|(a, &b)| *a += w * b);
+                for (src, dk) in k.row(t).chunks_exact(hd).zip(kt.chunks_exact_mut(hd)) {
+                    let s = rms_scale(src, p.eps);
+                    for i in 0..hd {
+                        dk[i] = src[i] * s * kn[i];
+                    }
+                    rope_apply(dk, &rope);
                 }
-                let g = &gate[idx * hd..(idx + 1) * hd];
-                o.iter_mut().zip(g).for_each(|(a, &b)| *a *= sigmoid(b));
+                round_through(kv.types.k, kt);
             });
-        out
+        kv.k.extend_from_slice(&k_new);
+        let n0 = kv.v.len();
+        kv.v.extend_from_slice(&v.data);
+        kv.v[n0..]
+            .par_chunks_mut(width)
+            .for_each(|r| round_through(kv.types.v, r));
+        attention::attend(p, &q, &gate, &kv.k, &kv.v, kv.width, pos0, n_tok)
     }
 
     fn new_recurrent(&self, p: &GdnParams) -> Recurrent {
@@ -509,98 +558,76 @@ impl Backend for CpuBackend {
         w: &GdnWeights<'_, Weight>,
         st: &mut Recurrent,
     ) -> Tensor {
-        let cd = p.conv_dim();
-        let d = p.d;
-        let kw = p.d_conv;
-        let n_tok = mixed.rows;
-        assert_eq!(mixed.cols, cd);
-        let conv_w = w.conv.dense();
-        let (dt_bias, ssm_a, norm_w) = (w.dt_bias.dense(), w.ssm_a.dense(), w.norm.dense());
-        let q_scale = 1.0 / (d as f32).sqrt();
-        let mut out = Tensor::zeros(n_tok, p.n_v * d);
-        let mut u = vec![0f32; cd];
-        for t in 0..n_tok {
-            // Causal depthwise conv over [state; x_t], then SiLU.
-            let x = mixed.row(t);
-            for ch in 0..cd {
-                let taps = &conv_w[ch * kw..(ch + 1) * kw];
-                let mut c = taps[kw - 1] * x[ch];
-                for k in 0..kw - 1 {
-                    c += taps[k] * st.conv[k * cd + ch];
-                }
-                u[ch] = silu(c);
-            }
-            st.conv.copy_within(cd.., 0);
-            st.conv[(kw - 2) * cd..].copy_from_slice(x);
-
-            let (qs, rest) = u.split_at_mut(p.n_k * d);
-            let (ks, vs) = rest.split_at_mut(p.n_k * d);
-            for h in 0..p.n_k {
-                l2_normalize(&mut qs[h * d..(h + 1) * d], p.eps);
-                l2_normalize(&mut ks[h * d..(h + 1) * d], p.eps);
-            }
-            qs.iter_mut().for_each(|v| *v *= q_scale);
-            let (qs, ks, vs) = (&*qs, &*ks, &*vs);
-            let zr = z.row(t);
-            let (br, ar) = (b.row(t), a.row(t));
-            let orow = &mut out.data[t * p.n_v * d..(t + 1) * p.n_v * d];
-            orow.par_chunks_mut(d)
-                .zip(st.ssm.par_chunks_mut(d * d))
-                .enumerate()
-                .for_each(|(j, (o, s))| {
-                    let kh = j % p.n_k;
-                    let (q, k) = (&qs[kh * d..(kh + 1) * d], &ks[kh * d..(kh + 1) * d]);
-                    let v = &vs[j * d..(j + 1) * d];
-                    let beta = sigmoid(br[j]);
-                    let g = ssm_a[j] * softplus(ar[j] + dt_bias[j]);
-                    let decay = g.exp();
-                    s.iter_mut().for_each(|x| *x *= decay);
-                    // kv = Sᵀk, then S += k ⊗ beta(v - kv), then o = Sᵀq.
-                    let mut kv = vec![0f32; d];
-                    for i in 0..d {
-                        let srow = &s[i * d..(i + 1) * d];
-                        let ki = k[i];
-                        kv.iter_mut()
-                            .zip(srow)
-                            .for_each(|(acc, &sv)| *acc += sv * ki);
-                    }
-                    let delta: Vec<f32> = v
-                        .iter()
-                        .zip(&kv)
-                        .map(|(&vv, &kk)| beta * (vv - kk))
-                        .collect();
-                    o.iter_mut().for_each(|x| *x = 0.0);
-                    for i in 0..d {
-                        let srow = &mut s[i * d..(i + 1) * d];
-                        let (ki, qi) = (k[i], q[i]);
-                        for (jj, sv) in srow.iter_mut().enumerate() {
-                            *sv += ki * delta[jj];
-                            o[jj] += *sv * qi;
-                        }
-                    }
-                    // Gated RMSNorm over the head.
-                    let sc = rms_scale(o, p.eps);
-                    let zj = &zr[j * d..(j + 1) * d];
-                    for i in 0..d {
-                        o[i] = o[i] * sc * norm_w[i] * silu(zj[i]);
-                    }
-                });
-        }
-        out
+        let w = gdn::Weights {
+            conv_taps: w.conv.dense_t(),
+            dt_bias: w.dt_bias.dense(),
+            ssm_a: w.ssm_a.dense(),
+            norm: w.norm.dense(),
+        };
+        gdn::gdn(p, mixed, z, b, a, &w, st)
     }
 
     fn argmax_rows(&self, x: &Tensor) -> Vec<u32> {
+        // The first index of the largest value (NaN never wins), per chunk and then across
+        // the chunks in order.
+        let first_max = |best: (usize, f32), (i, v): (usize, f32)| {
+            if v > best.1 {
+                (i, v)
+            } else {
+                best
+            }
+        };
         (0..x.rows)
             .map(|r| {
                 let row = x.row(r);
-                let mut best = 0;
-                for (i, &v) in row.iter().enumerate() {
-                    if v > row[best] {
-                        best = i;
-                    }
+                if row.is_empty() {
+                    return 0;
                 }
-                best as u32
+                let best = row
+                    .par_chunks(ELEM_CHUNK)
+                    .enumerate()
+                    .map(|(c, ch)| {
+                        let i0 = c * ELEM_CHUNK;
+                        (i0..).zip(ch.iter().copied()).fold((i0, ch[0]), first_max)
+                    })
+                    .collect::<Vec<_>>()
+                    .into_iter()
+                    .fold((0, row[0]), first_max);
+                best.0 as u32
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The small-batch path's kernels give each token exactly its one-token `dot_row`, so a
+    /// sequence decoded in a batch or alone computes the same numbers.
+    #[test]
+    fn multi_token_rows_match_dot_row_bit_for_bit() {
+        use GgmlType::*;
+        let k = 512;
+        let vals = |n: usize, a: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| ((i * a) % 1001) as f32 / 500.0 - 1.0)
+                .collect()
+        };
+        let xs: Vec<Vec<f32>> = (0..4).map(|t| vals(k, 37 + 14 * t)).collect();
+        for ty in [F32, F16, BF16, Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+            let row = quant::quantize_row(ty, &vals(k, 53)).unwrap();
+            let one: Vec<u32> = xs
+                .iter()
+                .map(|x| quant::dot_row(ty, &row, x).to_bits())
+                .collect();
+            let (a, b, c, d) = (&xs[0][..], &xs[1][..], &xs[2][..], &xs[3][..]);
+            let two = quant::dot_rows(ty, &row, [a, b]).map(f32::to_bits);
+            let three = quant::dot_rows(ty, &row, [a, b, c]).map(f32::to_bits);
+            let four = quant::dot_rows(ty, &row, [a, b, c, d]).map(f32::to_bits);
+            assert_eq!(two[..], one[..2], "{ty}");
+            assert_eq!(three[..], one[..3], "{ty}");
+            assert_eq!(four[..], one[..], "{ty}");
+        }
     }
 }

@@ -1,0 +1,165 @@
+//! The causal grouped-query softmax attention over the cache (model-qwen35.md §5), after q/k
+//! norms, RoPE and the cache append.
+//!
+//! One task per (KV head, block of `TB` query tokens): its rows are the block's queries of every
+//! head that shares the KV head, so each key and value row read serves all of them. Per task:
+//! `Sᵀ = K Qᵀ` (scores, one column per query row), a causal softmax down each column, then
+//! `O = P V` over chunks of `JC` cache rows that stay in L2, and the sigmoid gate.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::{gemm, math, Tensor};
+use crate::backend::AttnParams;
+
+/// Query tokens per task.
+const TB: usize = 16;
+/// Cache rows per chunk of `P V`.
+const JC: usize = 256;
+
+/// Per-thread scratch of a task: its queries, its scores `Sᵀ`, its output rows, and the softmax
+/// maxima and sums.
+#[derive(Default)]
+struct Scratch {
+    qb: Vec<f32>,
+    st: Vec<f32>,
+    o: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f64>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// `q` and `gate` are `[n_tok][n_head][head_dim]`; `kc` and `vc` hold `pos0 + n_tok` cached
+/// rows of `width` (`n_head_kv * head_dim`), the batch's own rows last. Returns the gated
+/// attention output `[n_tok][n_head * head_dim]`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn attend(
+    p: &AttnParams,
+    q: &[f32],
+    gate: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    width: usize,
+    pos0: usize,
+    n_tok: usize,
+) -> Tensor {
+    let (hd, nh) = (p.head_dim, p.n_head);
+    let group = nh / p.n_head_kv;
+    let n_blocks = n_tok.div_ceil(TB);
+    let tasks: Vec<(usize, usize)> = (0..p.n_head_kv)
+        .flat_map(|g| (0..n_blocks).map(move |b| (g, b)))
+        .collect();
+    let outs: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(g, b)| {
+            let (t0, t1) = (b * TB, ((b + 1) * TB).min(n_tok));
+            // Row m of the task is token t0 + m / group, head g * group + m % group.
+            let m_rows = (t1 - t0) * group;
+            let n_ctx = pos0 + t1;
+            let keys = &kc[g * hd..];
+            let values = &vc[g * hd..];
+            SCRATCH.with_borrow_mut(
+                |Scratch {
+                     qb,
+                     st,
+                     o,
+                     max,
+                     sum,
+                 }| {
+                    qb.clear();
+                    for t in t0..t1 {
+                        qb.extend_from_slice(&q[(t * nh + g * group) * hd..][..group * hd]);
+                    }
+                    // Sᵀ[j][m] = k_j · q_m
+                    st.resize(n_ctx * m_rows, 0.0);
+                    gemm::dots(keys, width, n_ctx, qb, hd, m_rows, hd, st, m_rows);
+                    softmax_columns(st, m_rows, |m| pos0 + t0 + m / group + 1, p.scale, max, sum);
+                    // O = P V, a chunk of cache rows at a time.
+                    o.resize(m_rows * hd, 0.0);
+                    for j0 in (0..n_ctx).step_by(JC) {
+                        gemm::outer(
+                            &st[j0 * m_rows..],
+                            m_rows,
+                            m_rows,
+                            &values[j0 * width..],
+                            width,
+                            hd,
+                            JC.min(n_ctx - j0),
+                            o,
+                            hd,
+                            j0 > 0,
+                        );
+                    }
+                    // The sigmoid gate.
+                    for (m, om) in o.chunks_exact_mut(hd).enumerate() {
+                        let (t, h) = (t0 + m / group, g * group + m % group);
+                        math::mul_sigmoid(om, &gate[(t * nh + h) * hd..][..hd]);
+                    }
+                    o.clone()
+                },
+            )
+        })
+        .collect();
+    let mut out = Tensor::zeros(n_tok, nh * hd);
+    for (&(g, b), o) in tasks.iter().zip(&outs) {
+        for (m, om) in o.chunks_exact(hd).enumerate() {
+            let (t, h) = (b * TB + m / group, g * group + m % group);
+            out.data[(t * nh + h) * hd..][..hd].copy_from_slice(om);
+        }
+    }
+    out
+}
+
+/// Softmax of `scale ·` each column of `st` (`[n_ctx][m_rows]`) over its first `ctx(m)` rows;
+/// the rows past them get 0. Rows are contiguous across the columns, so each pass runs down the
+/// rows with every column at once.
+fn softmax_columns(
+    st: &mut [f32],
+    m_rows: usize,
+    ctx: impl Fn(usize) -> usize,
+    scale: f32,
+    max: &mut Vec<f32>,
+    sum: &mut Vec<f64>,
+) {
+    let n_ctx = st.len() / m_rows;
+    // Rows below every column's end; the rest hold the causal mask's edge.
+    let full = (0..m_rows).map(&ctx).min().unwrap_or(0).min(n_ctx);
+    let (body, edge) = st.split_at_mut(full * m_rows);
+    max.clear();
+    max.resize(m_rows, f32::NEG_INFINITY);
+    body.iter_mut().for_each(|s| *s *= scale);
+    for row in body.chunks_exact(m_rows) {
+        max.iter_mut().zip(row).for_each(|(m, &s)| *m = m.max(s));
+    }
+    for (j, row) in (full..).zip(edge.chunks_exact_mut(m_rows)) {
+        for (m, s) in row.iter_mut().enumerate() {
+            if j < ctx(m) {
+                *s *= scale;
+                max[m] = max[m].max(*s);
+            }
+        }
+    }
+    sum.clear();
+    sum.resize(m_rows, 0.0);
+    for row in body.chunks_exact_mut(m_rows) {
+        math::exp_sub_sum(row, max, sum);
+    }
+    for (j, row) in (full..).zip(edge.chunks_exact_mut(m_rows)) {
+        for (m, s) in row.iter_mut().enumerate() {
+            if j < ctx(m) {
+                *s = math::exp(*s - max[m]);
+                sum[m] += *s as f64;
+            } else {
+                *s = 0.0;
+            }
+        }
+    }
+    let inv: Vec<f32> = sum.iter().map(|&s| (1.0 / s) as f32).collect();
+    for row in st.chunks_exact_mut(m_rows) {
+        row.iter_mut().zip(&inv).for_each(|(s, &i)| *s *= i);
+    }
+}

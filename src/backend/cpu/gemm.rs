@@ -1,0 +1,466 @@
+//! Register-blocked products: the many-token matmul, and the two products of attention.
+//!
+//! `matmul` computes `y[t][r] = x[t] · w[r]` for every token row `t` and weight row `r`. Weight
+//! rows are dequantized a tile at a time into f32 (one tile per rayon task, into a scratch
+//! buffer reused by its worker thread) and dotted with every token row by `dots`. Both operands
+//! keep their natural layout (contiguous along the shared dimension), so nothing is packed:
+//! the kernel dots `MT` rows of one with `NR` rows of the other at once, eight lanes at a time,
+//! which keeps `MT * NR` accumulators in registers and loads each vector once for several fused
+//! multiply-adds.
+//!
+//! `outer` is the other shape, `out[m] = Σ_j a[j][m] · b[j]` (rows of `b` weighted and summed),
+//! which attention needs for `P · V`.
+//!
+//! The sums are the same as the plain loops', taken in a different order: the results agree
+//! to f32 rounding. Without AVX2 and FMA both fall back to those loops.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use crate::quant;
+use crate::tensor::GgmlType;
+
+/// Rows of the first operand per `dots` kernel call (the dispatch in `Dots::run` instantiates
+/// the kernel for 1 to 4).
+const MT: usize = 4;
+/// Rows of the second operand per `dots` kernel call (1 to 3 in `x86::dots_m`).
+const NR: usize = 3;
+/// Columns per pass (a multiple of every block size): a token block's slice of this many
+/// columns stays in L1 while the kernel runs down the tile's rows.
+const KC: usize = 1024;
+/// Weight rows per tile: `TILE_ROWS * KC` f32 stay in L2 while every token block passes over
+/// them. Each token row is read once per tile, so tall tiles keep that traffic low when the
+/// token rows do not fit in the caches (long prompts).
+const TILE_ROWS: usize = 96;
+/// Output rows per `outer` kernel call, and 8-lane column vectors.
+const OM: usize = 6;
+const OV: usize = 2;
+
+thread_local! {
+    /// The dequantized slice of the current tile, reused by every task its thread runs.
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+#[cfg(target_arch = "x86_64")]
+fn simd() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+/// Weight rows per tile: `TILE_ROWS`, but small enough that `n_out` rows make a few tiles per
+/// thread to balance the work; a multiple of `NR`.
+fn tile_rows(n_out: usize) -> usize {
+    let balanced = n_out
+        .div_ceil(8 * rayon::current_num_threads())
+        .div_ceil(NR)
+        * NR;
+    TILE_ROWS.min(balanced).max(NR)
+}
+
+/// `out[t * n_out + r] = x[t] · w[r]` for `x` of `n_tok` rows of `k` and a weight of `n_out`
+/// rows stored as `row_bytes`-byte rows of type `ty` in `bytes`.
+pub(super) fn matmul(
+    ty: GgmlType,
+    bytes: &[u8],
+    row_bytes: usize,
+    n_out: usize,
+    x: &[f32],
+    k: usize,
+    out: &mut [f32],
+) {
+    let n_tok = x.len() / k;
+    assert_eq!(x.len(), n_tok * k);
+    assert_eq!(out.len(), n_tok * n_out);
+    assert!(bytes.len() >= n_out * row_bytes);
+    let kc = if KC.is_multiple_of(ty.block_size()) {
+        KC
+    } else {
+        k
+    };
+    let tile = tile_rows(n_out);
+    let dst = OutPtr(out.as_mut_ptr());
+    (0..n_out.div_ceil(tile)).into_par_iter().for_each(|c| {
+        let (r0, r1) = (c * tile, ((c + 1) * tile).min(n_out));
+        TILE.with_borrow_mut(|w| {
+            for k0 in (0..k).step_by(kc) {
+                let k1 = (k0 + kc).min(k);
+                let (b0, b1) = (byte_offset(ty, k0), byte_offset(ty, k1));
+                w.resize((r1 - r0) * (k1 - k0), 0.0);
+                for (r, wr) in (r0..r1).zip(w.chunks_exact_mut(k1 - k0)) {
+                    let row = &bytes[r * row_bytes..(r + 1) * row_bytes];
+                    quant::dequantize_row(ty, &row[b0..b1], wr)
+                        .expect("row length validated at load");
+                }
+                // SAFETY: the operands hold the rows read; `out` holds `n_tok` rows of
+                // `n_out`, and this task alone writes their columns `r0..r1`, so the writes
+                // of concurrent tasks never overlap.
+                unsafe {
+                    let p = Dots {
+                        x: x[k0..].as_ptr(),
+                        ldx: k,
+                        n_x: n_tok,
+                        w: w.as_ptr(),
+                        ldw: k1 - k0,
+                        n_w: r1 - r0,
+                        k: k1 - k0,
+                    };
+                    p.run(dst.at(r0), n_out, k0 > 0)
+                };
+            }
+        });
+    });
+}
+
+/// Bytes of the first `n` elements of a row (`n` a multiple of the block size).
+fn byte_offset(ty: GgmlType, n: usize) -> usize {
+    ty.row_bytes(n as u64).expect("whole blocks") as usize
+}
+
+/// The output pointer shared by the tasks of one `matmul`; each writes its own columns.
+#[derive(Copy, Clone)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint elements (see `matmul`).
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// The element `i` places in (a method, so closures capture the whole `Sync` wrapper).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+}
+
+/// `out[i * ldo + r] = x_i · w_r` over `k` columns for `n_x` rows of `x` (`ldx` apart) and `n_w`
+/// rows of `w` (`ldw` apart).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn dots(
+    x: &[f32],
+    ldx: usize,
+    n_x: usize,
+    w: &[f32],
+    ldw: usize,
+    n_w: usize,
+    k: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let need = |n: usize, ld: usize, width: usize| if n == 0 { 0 } else { (n - 1) * ld + width };
+    assert!(x.len() >= need(n_x, ldx, k) && w.len() >= need(n_w, ldw, k));
+    assert!(out.len() >= need(n_x, ldo, n_w));
+    let p = Dots {
+        x: x.as_ptr(),
+        ldx,
+        n_x,
+        w: w.as_ptr(),
+        ldw,
+        n_w,
+        k,
+    };
+    // SAFETY: the asserts above bound every read and write.
+    unsafe { p.run(out.as_mut_ptr(), ldo, false) }
+}
+
+/// The operands of a `dots` product.
+struct Dots {
+    x: *const f32,
+    ldx: usize,
+    n_x: usize,
+    w: *const f32,
+    ldw: usize,
+    n_w: usize,
+    k: usize,
+}
+
+impl Dots {
+    /// `out[i * ldo + r] (+)= x_i · w_r`; `acc` adds to the output instead of storing.
+    ///
+    /// # Safety
+    /// The operands hold their `n` rows of `k` at their strides, and `out` is valid for reads
+    /// and writes at `i * ldo + r` for every `i < n_x`, `r < n_w`.
+    unsafe fn run(&self, out: *mut f32, ldo: usize, acc: bool) {
+        let Dots {
+            x,
+            ldx,
+            n_x,
+            w,
+            ldw,
+            n_w,
+            k,
+        } = *self;
+        #[cfg(target_arch = "x86_64")]
+        if simd() {
+            for i0 in (0..n_x).step_by(MT) {
+                let m = MT.min(n_x - i0);
+                for r0 in (0..n_w).step_by(NR) {
+                    let n = NR.min(n_w - r0);
+                    let (xp, wp) = (x.add(i0 * ldx), w.add(r0 * ldw));
+                    let op = out.add(i0 * ldo + r0);
+                    match m {
+                        4 => x86::dots_m::<4>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                        3 => x86::dots_m::<3>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                        2 => x86::dots_m::<2>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                        _ => x86::dots_m::<1>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                    }
+                }
+            }
+            return;
+        }
+        for i in 0..n_x {
+            let xi = std::slice::from_raw_parts(x.add(i * ldx), k);
+            for r in 0..n_w {
+                let s = super::dot(xi, std::slice::from_raw_parts(w.add(r * ldw), k));
+                let o = out.add(i * ldo + r);
+                *o = if acc { *o + s } else { s };
+            }
+        }
+    }
+}
+
+/// `out[m * ldo + c] (+)= Σ_{j < n_j} a[j * lda + m] · b[j * ldb + c]` for `m < n_m`,
+/// `c < n_c`; `acc` adds to the output instead of storing.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn outer(
+    a: &[f32],
+    lda: usize,
+    n_m: usize,
+    b: &[f32],
+    ldb: usize,
+    n_c: usize,
+    n_j: usize,
+    out: &mut [f32],
+    ldo: usize,
+    acc: bool,
+) {
+    if n_m == 0 || n_c == 0 {
+        return;
+    }
+    assert!(n_j == 0 || (a.len() >= (n_j - 1) * lda + n_m && b.len() >= (n_j - 1) * ldb + n_c));
+    assert!(out.len() >= (n_m - 1) * ldo + n_c);
+    #[cfg(target_arch = "x86_64")]
+    if simd() && n_c.is_multiple_of(8 * OV) {
+        for m0 in (0..n_m).step_by(OM) {
+            for c0 in (0..n_c).step_by(8 * OV) {
+                // SAFETY: the asserts above bound every read and write.
+                unsafe {
+                    let (ap, bp) = (a.as_ptr().add(m0), b.as_ptr().add(c0));
+                    let op = out.as_mut_ptr().add(m0 * ldo + c0);
+                    macro_rules! call {
+                        ($($m:literal),*) => {
+                            match OM.min(n_m - m0) {
+                                $($m => x86::outer::<$m, OV>(ap, lda, bp, ldb, n_j, op, ldo, acc),)*
+                                _ => unreachable!(),
+                            }
+                        };
+                    }
+                    call!(1, 2, 3, 4, 5, 6);
+                }
+            }
+        }
+        return;
+    }
+    for m in 0..n_m {
+        let o = &mut out[m * ldo..m * ldo + n_c];
+        if !acc {
+            o.fill(0.0);
+        }
+        for j in 0..n_j {
+            let p = a[j * lda + m];
+            for (ov, &bv) in o.iter_mut().zip(&b[j * ldb..j * ldb + n_c]) {
+                *ov += p * bv;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    /// `dots::<M, N>` for a run-time `N` (1 to 3).
+    ///
+    /// # Safety
+    /// As for `dots`.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn dots_m<const M: usize>(
+        n: usize,
+        x: *const f32,
+        ldx: usize,
+        w: *const f32,
+        ldw: usize,
+        k: usize,
+        out: *mut f32,
+        ldo: usize,
+        acc_out: bool,
+    ) {
+        match n {
+            3 => dots::<M, 3>(x, ldx, w, ldw, k, out, ldo, acc_out),
+            2 => dots::<M, 2>(x, ldx, w, ldw, k, out, ldo, acc_out),
+            _ => dots::<M, 1>(x, ldx, w, ldw, k, out, ldo, acc_out),
+        }
+    }
+
+    /// `out[i * ldo + r] (+)= x_i · w_r` for `i < M`, `r < N` over `k` columns.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available; `x` holds `M` rows `ldx` apart and `w` `N` rows `ldw`
+    /// apart, each of `k`; `out` is valid for the reads and writes.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn dots<const M: usize, const N: usize>(
+        x: *const f32,
+        ldx: usize,
+        w: *const f32,
+        ldw: usize,
+        k: usize,
+        out: *mut f32,
+        ldo: usize,
+        acc_out: bool,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); N]; M];
+        let body = k / 8 * 8;
+        let mut i = 0;
+        while i < body {
+            let wv: [__m256; N] = std::array::from_fn(|r| _mm256_loadu_ps(w.add(r * ldw + i)));
+            for (t, acc) in acc.iter_mut().enumerate() {
+                let xv = _mm256_loadu_ps(x.add(t * ldx + i));
+                for r in 0..N {
+                    acc[r] = _mm256_fmadd_ps(xv, wv[r], acc[r]);
+                }
+            }
+            i += 8;
+        }
+        for (t, acc) in acc.iter().enumerate() {
+            for (r, &a) in acc.iter().enumerate() {
+                let mut s = hsum(a);
+                for j in body..k {
+                    s += *x.add(t * ldx + j) * *w.add(r * ldw + j);
+                }
+                let o = out.add(t * ldo + r);
+                *o = if acc_out { *o + s } else { s };
+            }
+        }
+    }
+
+    /// `out[m * ldo + c] (+)= Σ_j a[j * lda + m] · b[j * ldb + c]` for `m < M`, `c < 8V`.
+    ///
+    /// # Safety
+    /// AVX2 and FMA are available; the operands hold `n_j` rows at their strides; `out` is
+    /// valid for the writes.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn outer<const M: usize, const V: usize>(
+        a: *const f32,
+        lda: usize,
+        b: *const f32,
+        ldb: usize,
+        n_j: usize,
+        out: *mut f32,
+        ldo: usize,
+        acc_out: bool,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); V]; M];
+        for j in 0..n_j {
+            let bv: [__m256; V] = std::array::from_fn(|v| _mm256_loadu_ps(b.add(j * ldb + 8 * v)));
+            for (m, acc) in acc.iter_mut().enumerate() {
+                let p = _mm256_broadcast_ss(&*a.add(j * lda + m));
+                for v in 0..V {
+                    acc[v] = _mm256_fmadd_ps(p, bv[v], acc[v]);
+                }
+            }
+        }
+        for (m, acc) in acc.iter().enumerate() {
+            for (v, &x) in acc.iter().enumerate() {
+                let o = out.add(m * ldo + 8 * v);
+                let x = if acc_out {
+                    _mm256_add_ps(_mm256_loadu_ps(o), x)
+                } else {
+                    x
+                };
+                _mm256_storeu_ps(o, x);
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn hsum(a: __m256) -> f32 {
+        let v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vals(n: usize, a: usize, b: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i * a) % b) as f32 / (b / 2) as f32 - 1.0)
+            .collect()
+    }
+
+    fn close(got: f32, want: f32, k: usize) -> bool {
+        (got - want).abs() <= 1e-5 * (k as f32).sqrt() * want.abs().max(1.0)
+    }
+
+    fn check_matmul(ty: GgmlType, k: usize, n_tok: usize, n_out: usize) {
+        let x = vals(n_tok * k, 37, 101);
+        let bytes = quant::quantize_row(ty, &vals(n_out * k, 53, 97)).unwrap();
+        let row_bytes = bytes.len() / n_out;
+        let mut w = vec![0f32; n_out * k];
+        quant::dequantize_row(ty, &bytes, &mut w).unwrap();
+        let mut out = vec![0f32; n_tok * n_out];
+        matmul(ty, &bytes, row_bytes, n_out, &x, k, &mut out);
+        for t in 0..n_tok {
+            for r in 0..n_out {
+                let want = super::super::dot(&x[t * k..(t + 1) * k], &w[r * k..(r + 1) * k]);
+                let got = out[t * n_out + r];
+                assert!(close(got, want, k), "{ty} k={k} [{t},{r}]: {got} vs {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn matmul_matches_row_dots_for_every_edge() {
+        // Tails past the last 8 lanes, token and row blocks of every edge size, one and
+        // several column passes (a short last one too).
+        for (n_tok, n_out) in [(1, 1), (2, 5), (5, 7), (9, 64), (4, 3), (7, 200)] {
+            check_matmul(GgmlType::F32, 203, n_tok, n_out);
+            check_matmul(GgmlType::F32, KC + 300, n_tok, n_out);
+            check_matmul(GgmlType::Q8_0, 2 * KC + 32, n_tok, n_out);
+            check_matmul(GgmlType::PQ2_0, 2 * KC + 128, n_tok, n_out);
+        }
+    }
+
+    #[test]
+    fn strided_dots_and_outer_match_plain_loops() {
+        let (k, ldx, ldw, ldo) = (37, 41, 50, 13);
+        for (n_x, n_w) in [(1, 1), (5, 7), (9, 11)] {
+            let x = vals(n_x * ldx, 7, 31);
+            let w = vals(n_w * ldw, 11, 29);
+            let mut out = vec![0f32; n_x * ldo];
+            dots(&x, ldx, n_x, &w, ldw, n_w, k, &mut out, ldo);
+            for i in 0..n_x {
+                for r in 0..n_w {
+                    let want = super::super::dot(&x[i * ldx..][..k], &w[r * ldw..][..k]);
+                    assert!(close(out[i * ldo + r], want, k));
+                }
+            }
+        }
+        for (n_m, n_c, n_j) in [(1, 16, 1), (7, 32, 9), (13, 48, 30), (3, 5, 4)] {
+            let (lda, ldb, ldo) = (n_m + 2, n_c + 3, n_c + 1);
+            let a = vals(n_j * lda, 7, 31);
+            let b = vals(n_j * ldb, 11, 29);
+            let mut out = vec![0.5f32; n_m * ldo];
+            outer(&a, lda, n_m, &b, ldb, n_c, n_j, &mut out, ldo, false);
+            outer(&a, lda, n_m, &b, ldb, n_c, n_j, &mut out, ldo, true);
+            for m in 0..n_m {
+                for c in 0..n_c {
+                    let want: f32 = (0..n_j).map(|j| a[j * lda + m] * b[j * ldb + c]).sum();
+                    assert!(close(out[m * ldo + c], 2.0 * want, n_j), "[{m},{c}]");
+                }
+            }
+        }
+    }
+}
