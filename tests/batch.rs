@@ -38,6 +38,7 @@ fn batched_equals_separate<B: Backend>(be: &B) {
                 seq,
                 tokens,
                 all_rows: true,
+                snapshot: false,
             })
             .collect();
         let outs = m.forward_batch(be, &mut items).unwrap();
@@ -49,6 +50,7 @@ fn batched_equals_separate<B: Backend>(be: &B) {
                 seq,
                 tokens,
                 all_rows: false,
+                snapshot: false,
             })
             .collect();
         let outs2 = m.forward_batch(be, &mut items).unwrap();

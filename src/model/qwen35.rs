@@ -10,6 +10,32 @@ pub struct SeqState<B: Backend> {
     pub pos: usize,
     pub kv: Vec<Option<B::Kv>>,
     pub rs: Vec<Option<B::Rs>>,
+    /// Rollback cells for speculative verify: `cells[il][t]` receives layer il's recurrent
+    /// state after row t of a batch run with `snapshot` (empty until `arm_cells`).
+    pub cells: Vec<Vec<B::Rs>>,
+}
+
+impl<B: Backend> SeqState<B> {
+    /// Allocates `n` checkpoint cells per GDN layer (1 + the draft depth when drafting).
+    pub fn arm_cells(&mut self, be: &B, p: &crate::backend::GdnParams, n: usize) {
+        self.cells = self
+            .rs
+            .iter()
+            .map(|r| match r {
+                Some(_) => (0..n).map(|_| be.new_recurrent(p)).collect(),
+                None => Vec::new(),
+            })
+            .collect();
+    }
+
+    /// Restores every GDN layer to the state after row `t` of the last snapshot batch.
+    pub fn restore_cell(&mut self, be: &B, t: usize) {
+        for (cells, rs) in self.cells.iter().zip(self.rs.iter_mut()) {
+            if let (Some(c), Some(r)) = (cells.get(t), rs.as_mut()) {
+                be.recurrent_copy(c, r);
+            }
+        }
+    }
 }
 
 /// One sequence's share of a batched step: its state, the tokens to run at `seq.pos..`, and
@@ -18,6 +44,9 @@ pub struct BatchItem<'s, B: Backend> {
     pub seq: &'s mut SeqState<B>,
     pub tokens: &'s [u32],
     pub all_rows: bool,
+    /// Keep the recurrent state after every row in `seq.cells` (speculative verify), so a
+    /// rejected suffix rolls back without recomputation.
+    pub snapshot: bool,
 }
 
 /// The MTP head's own attention cache.
@@ -51,6 +80,7 @@ impl<B: Backend> Model<B> {
             rs: (0..n)
                 .map(|il| self.cfg.is_recurrent(il).then(|| be.new_recurrent(&gp)))
                 .collect(),
+            cells: Vec::new(),
         })
     }
 
@@ -128,6 +158,7 @@ impl<B: Backend> Model<B> {
             seq: st,
             tokens,
             all_rows,
+            snapshot: false,
         }];
         Ok(self
             .forward_batch(be, &mut items)?
@@ -192,6 +223,29 @@ impl<B: Backend> Model<B> {
                 let mut outs = Vec::with_capacity(items.len());
                 for (i, it) in items.iter_mut().enumerate() {
                     let n = it.tokens.len();
+                    if it.snapshot {
+                        // One row at a time, keeping the state after each in its cell.
+                        assert!(
+                            it.seq.cells.get(il).is_some_and(|c| c.len() >= n),
+                            "snapshot batch of {n} rows needs armed cells"
+                        );
+                        let mut rows_out = Vec::with_capacity(n);
+                        for t in 0..n {
+                            let r = offsets[i] + t;
+                            let (m, zz, bb, aa) = (
+                                be.rows(&mixed, r, 1),
+                                be.rows(&z, r, 1),
+                                be.rows(&b, r, 1),
+                                be.rows(&a, r, 1),
+                            );
+                            let rs = it.seq.rs[il].as_mut().expect("recurrent state");
+                            rows_out.push(be.gdn(&gp, &m, &zz, &bb, &aa, &w, rs));
+                            let rs = it.seq.rs[il].as_ref().expect("recurrent state");
+                            be.recurrent_copy(rs, &mut it.seq.cells[il][t]);
+                        }
+                        outs.push(be.concat_rows(&rows_out.iter().collect::<Vec<_>>()));
+                        continue;
+                    }
                     let rs = it.seq.rs[il].as_mut().expect("recurrent state");
                     outs.push(
                         match (

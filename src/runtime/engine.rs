@@ -402,7 +402,7 @@ impl<B: Backend> Worker<B> {
                 &be,
                 seq,
                 Sampler::new(SamplerConfig::greedy()),
-                cfg.spec.as_ref().map(|_| cfg.draft_kv_types),
+                cfg.spec.as_ref().map(|sp| (cfg.draft_kv_types, sp.n_max)),
             )
             .map_err(model_err)?;
             slots.push(Slot {
@@ -673,7 +673,9 @@ impl<B: Backend> Worker<B> {
                         }
                         None => Vec::new(),
                     };
-                    let batch = self.slots[i].dec.begin_verify(&self.be, &drafts);
+                    let batch = self.slots[i]
+                        .dec
+                        .begin_verify(&self.model, &self.be, &drafts);
                     let rows = !drafts.is_empty() || self.slots[i].dec.wants_rows();
                     plan.push((i, batch, rows, false));
                 }
@@ -692,10 +694,12 @@ impl<B: Backend> Worker<B> {
                 .collect();
             let mut items: Vec<BatchItem<B>> = plan
                 .iter()
-                .map(|(i, toks, rows, _)| BatchItem {
+                .map(|(i, toks, rows, prefill)| BatchItem {
                     seq: seqs[*i].take().unwrap(),
                     tokens: toks,
                     all_rows: *rows,
+                    // A verify batch with drafts keeps per-row rollback cells.
+                    snapshot: !*prefill && toks.len() > 1,
                 })
                 .collect();
             self.model
@@ -709,8 +713,6 @@ impl<B: Backend> Worker<B> {
             m.n_tokens_max = m.n_tokens_max.max(n_tokens as u64);
             m.n_busy_slots_total += plan.len() as u64;
         }
-        // Slots whose drafts were rejected replay their kept rows in one more shared batch.
-        let mut replays: Vec<(usize, Vec<u32>, Vec<u32>)> = Vec::new(); // (slot, kept, produced)
         let mut emitted: Vec<(usize, Vec<u32>)> = Vec::new();
         for ((i, toks, rows, is_prefill), out) in plan.iter().zip(outs) {
             let i = *i;
@@ -764,44 +766,21 @@ impl<B: Backend> Worker<B> {
             } else {
                 let s = &mut self.slots[i];
                 let v = s.dec.finish_verify(&self.be, &out, toks, *rows);
-                match v.replay {
-                    Some(kept) => replays.push((i, kept, v.produced)),
-                    None => {
-                        s.tokens.extend_from_slice(toks);
-                        s.dec
-                            .mtp_process(&self.model, &self.be, toks, &out.h)
-                            .map_err(model_err)?;
-                        emitted.push((i, v.produced));
-                    }
+                // Rejected rows were rolled back from the rollback cells; the kept rows' h
+                // feeds the MTP head.
+                let kept = &toks[..v.kept];
+                s.tokens.extend_from_slice(kept);
+                if s.dec.mtp.is_some() {
+                    let h = if v.kept < toks.len() {
+                        self.be.rows(&out.h, 0, v.kept)
+                    } else {
+                        out.h
+                    };
+                    s.dec
+                        .mtp_process(&self.model, &self.be, kept, &h)
+                        .map_err(model_err)?;
                 }
-            }
-        }
-        if !replays.is_empty() {
-            let outs = {
-                let mut seqs: Vec<Option<&mut crate::model::SeqState<B>>> = self
-                    .slots
-                    .iter_mut()
-                    .map(|s| Some(&mut s.dec.seq))
-                    .collect();
-                let mut items: Vec<BatchItem<B>> = replays
-                    .iter()
-                    .map(|(i, kept, _)| BatchItem {
-                        seq: seqs[*i].take().unwrap(),
-                        tokens: kept,
-                        all_rows: true,
-                    })
-                    .collect();
-                self.model
-                    .forward_batch(&self.be, &mut items)
-                    .map_err(model_err)?
-            };
-            for ((i, kept, produced), out) in replays.into_iter().zip(outs) {
-                let s = &mut self.slots[i];
-                s.tokens.extend_from_slice(&kept);
-                s.dec
-                    .mtp_process(&self.model, &self.be, &kept, &out.h)
-                    .map_err(model_err)?;
-                emitted.push((i, produced));
+                emitted.push((i, v.produced));
             }
         }
         for (i, ids) in emitted {

@@ -74,13 +74,12 @@ pub struct Verified {
     /// Tokens produced this round: the accepted drafts and the trunk's own next token.
     pub produced: Vec<u32>,
     pub accepted: usize,
-    /// The rows to replay after a rollback (`Some` when a draft was rejected).
-    pub replay: Option<Vec<u32>>,
+    /// Rows of the batch the trunk keeps (`accepted + 1`): the state now ends after them.
+    pub kept: usize,
 }
 
 pub struct SlotDecoder<B: Backend> {
     pub seq: SeqState<B>,
-    checkpoint: Vec<Option<B::Rs>>,
     pub mtp: Option<Mtp<B>>,
     pub sampler: Sampler,
     /// Sampled but not yet fed to the trunk.
@@ -89,15 +88,19 @@ pub struct SlotDecoder<B: Backend> {
 }
 
 impl<B: Backend> SlotDecoder<B> {
-    /// `mtp = Some(draft cache dtypes)` arms drafting (the model must have an MTP block).
+    /// `mtp = Some((draft cache dtypes, draft depth))` arms drafting (the model must have an
+    /// MTP block) and gives each GDN layer `1 + depth` rollback cells.
     pub fn new(
         model: &Model<B>,
         be: &B,
-        seq: SeqState<B>,
+        mut seq: SeqState<B>,
         sampler: Sampler,
-        mtp: Option<KvTypes>,
+        mtp: Option<(KvTypes, usize)>,
     ) -> Result<Self, ModelError> {
-        let mtp = if let Some(types) = mtp {
+        if let Some((_, depth)) = mtp {
+            seq.arm_cells(be, &model.cfg.gdn_params(), 1 + depth);
+        }
+        let mtp = if let Some((types, _)) = mtp {
             Some(Mtp {
                 state: model.new_mtp_state_with(be, types)?,
                 pending_h: vec![0.0; model.cfg.n_embd],
@@ -105,15 +108,8 @@ impl<B: Backend> SlotDecoder<B> {
         } else {
             None
         };
-        let gp = model.cfg.gdn_params();
-        let checkpoint = seq
-            .rs
-            .iter()
-            .map(|r| r.as_ref().map(|_| be.new_recurrent(&gp)))
-            .collect();
         Ok(SlotDecoder {
             seq,
-            checkpoint,
             mtp,
             sampler,
             last: None,
@@ -202,24 +198,23 @@ impl<B: Backend> SlotDecoder<B> {
         Ok(drafts)
     }
 
-    /// The verify batch `[last, drafts..]`; checkpoints the recurrent state when drafting.
-    pub fn begin_verify(&mut self, be: &B, drafts: &[u32]) -> Vec<u32> {
+    /// The verify batch `[last, drafts..]`. Run it with `snapshot` set when it carries drafts,
+    /// so `finish_verify` can roll back to any row (cells grow here for an outside drafter
+    /// longer than the armed depth).
+    pub fn begin_verify(&mut self, model: &Model<B>, be: &B, drafts: &[u32]) -> Vec<u32> {
         let mut batch = Vec::with_capacity(drafts.len() + 1);
         batch.push(self.last.expect("a sampled token before decoding"));
         batch.extend_from_slice(drafts);
-        if !drafts.is_empty() {
-            for (c, s) in self.checkpoint.iter_mut().zip(&self.seq.rs) {
-                if let (Some(c), Some(s)) = (c.as_mut(), s.as_ref()) {
-                    be.recurrent_copy(s, c);
-                }
-            }
+        let armed = self.seq.cells.iter().map(Vec::len).max().unwrap_or(0);
+        if !drafts.is_empty() && armed < batch.len() {
+            self.seq.arm_cells(be, &model.cfg.gdn_params(), batch.len());
         }
         batch
     }
 
     /// Samples the verify rows, keeps the agreed prefix, and rolls the trunk back past it when
-    /// a draft was rejected (the caller then replays `Verified::replay` and calls
-    /// `finish_round` with that output instead).
+    /// a draft was rejected: the recurrent state from the cell of the last kept row, the
+    /// attention caches truncated. The caller hands the kept rows' h to `mtp_process`.
     pub fn finish_verify(
         &mut self,
         be: &B,
@@ -252,28 +247,19 @@ impl<B: Backend> SlotDecoder<B> {
             }
         }
         self.last = produced.last().copied();
-        let replay = if accepted < drafts.len() {
-            // Rejected rows advanced the state: restore the recurrent checkpoint and drop their
-            // cache rows; replaying the kept prefix makes state and h exactly those of decoding
-            // it token by token.
-            let n_past = self.seq.pos - batch.len();
-            for (c, s) in self.checkpoint.iter().zip(self.seq.rs.iter_mut()) {
-                if let (Some(c), Some(s)) = (c.as_ref(), s.as_mut()) {
-                    be.recurrent_copy(c, s);
-                }
-            }
+        let kept = accepted + 1;
+        if kept < batch.len() {
+            let end = self.seq.pos - batch.len() + kept;
+            self.seq.restore_cell(be, kept - 1);
             for kv in self.seq.kv.iter_mut().flatten() {
-                be.kv_truncate(kv, n_past);
+                be.kv_truncate(kv, end);
             }
-            self.seq.pos = n_past;
-            Some(batch[..accepted + 1].to_vec())
-        } else {
-            None
-        };
+            self.seq.pos = end;
+        }
         Verified {
             produced,
             accepted,
-            replay,
+            kept,
         }
     }
 }
@@ -300,7 +286,7 @@ impl<'a, B: Backend> Generator<'a, B> {
             be,
             seq,
             sampler,
-            spec.as_ref().map(|_| KvTypes::default()),
+            spec.as_ref().map(|s| (KvTypes::default(), s.n_max)),
         )?;
         Ok(Generator {
             model,
@@ -347,12 +333,13 @@ impl<'a, B: Backend> Generator<'a, B> {
     /// Verifies `drafts` (from the MTP head or any other drafter) after the last sampled token
     /// in one trunk batch and keeps the agreed prefix plus the trunk's next token.
     pub fn verify(&mut self, drafts: &[u32]) -> Result<Vec<u32>, ModelError> {
-        let batch = self.slot.begin_verify(self.be, drafts);
+        let batch = self.slot.begin_verify(self.model, self.be, drafts);
         let rows = !drafts.is_empty() || self.slot.wants_rows();
         let mut items = [BatchItem {
             seq: &mut self.slot.seq,
             tokens: &batch,
             all_rows: rows,
+            snapshot: !drafts.is_empty(),
         }];
         let out = self
             .model
@@ -360,15 +347,14 @@ impl<'a, B: Backend> Generator<'a, B> {
             .pop()
             .expect("one output");
         let v = self.slot.finish_verify(self.be, &out, &batch, rows);
-        match &v.replay {
-            Some(kept) => {
-                let replay = self
-                    .model
-                    .forward(self.be, &mut self.slot.seq, kept, true)?;
-                self.slot
-                    .mtp_process(self.model, self.be, kept, &replay.h)?;
-            }
-            None => self.slot.mtp_process(self.model, self.be, &batch, &out.h)?,
+        if self.slot.mtp.is_some() {
+            let h = if v.kept < batch.len() {
+                self.be.rows(&out.h, 0, v.kept)
+            } else {
+                out.h
+            };
+            self.slot
+                .mtp_process(self.model, self.be, &batch[..v.kept], &h)?;
         }
         Ok(v.produced)
     }
