@@ -23,6 +23,7 @@ use crate::backend::{BackendError, WeightSource};
 use crate::tensor::GgmlType;
 
 const MATMUL_VEC: &str = include_str!("../../../shaders/matmul_vec.wgsl");
+const MATMUL_VEC_F16: &str = include_str!("../../../shaders/matmul_vec_f16.wgsl");
 const MATMUL_TILED: &str = include_str!("../../../shaders/matmul_tiled.wgsl");
 const EMBED: &str = include_str!("../../../shaders/embed.wgsl");
 const FWHT: &str = include_str!("../../../shaders/fwht.wgsl");
@@ -152,6 +153,26 @@ pub fn matmul(be: &WgpuBackend, w: &Weight, x: &Tensor) -> Tensor {
     let tiled = x.rows > MATVEC_MAX_TOKENS;
     let subgroups = be.gpu.has_subgroups;
     for part in parts(w) {
+        // Native f16 loads where the adapter has SHADER_F16; the u32-unpacking decoder
+        // (identical numbers) everywhere else.
+        if !tiled && part.ty == GgmlType::F16 && be.gpu.has_f16 && w.ne0 % 8 == 0 {
+            let pipeline = be.gpu.pipeline("matmul_vec_f16", MATMUL_VEC_F16);
+            let workgroups = part.n_rows * x.rows.div_ceil(MATVEC_MAX_TOKENS);
+            be.gpu.dispatch(
+                &pipeline,
+                &params(&[
+                    x.rows as u32,
+                    w.ne0 as u32,
+                    part.n_rows as u32,
+                    part.row0 as u32,
+                    w.rows as u32,
+                    part.row_bytes as u32,
+                ]),
+                &[Bind::all(part.buf), x.bind(), y.bind()],
+                groups_2d(to_u32(workgroups, "workgroup count")),
+            );
+            continue;
+        }
         let (key, source) = if tiled {
             (
                 format!("matmul_tiled/{}", dtype_code(part.ty)),
