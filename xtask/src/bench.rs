@@ -242,7 +242,10 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
     let has_mtp = tern::model::Config::from_gguf(&g)?.has_mtp();
     let prompt = prompt(64);
     let mut rows = Vec::new();
-    println!("{:<8} {:>7} {:>6} {:>8} {:>14} {:>12} {:>10}", "backend", "streams", "V", "drafting", "decode t/s", "accept", "prompt t/s");
+    println!(
+        "{:<8} {:>7} {:>6} {:>8} {:>14} {:>12} {:>10}",
+        "backend", "streams", "V", "drafting", "decode t/s", "accept", "prompt t/s"
+    );
     for parallel in [1usize, 3] {
         for v in [GgmlType::F16, GgmlType::Q8_0] {
             for spec in [false, true] {
@@ -253,9 +256,15 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                     ctx_size: 1024 * parallel,
                     parallel,
                     ubatch: 512,
-                    kv_types: KvTypes { k: GgmlType::F16, v },
+                    kv_types: KvTypes {
+                        k: GgmlType::F16,
+                        v,
+                    },
                     spec: spec.then(SpecConfig::default),
-                    draft_kv_types: KvTypes { k: GgmlType::F16, v: GgmlType::F16 },
+                    draft_kv_types: KvTypes {
+                        k: GgmlType::F16,
+                        v: GgmlType::F16,
+                    },
                 };
                 let run = |e: &Engine| -> Result<(f64, f64, f64)> {
                     let t0 = Instant::now();
@@ -277,11 +286,17 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                         let (_, _, f) = h.collect().map_err(|e| anyhow::anyhow!("{e}"))?;
                         n += f.completion_tokens;
                         decode_s = decode_s.max(f.timings.predicted_ms / 1e3);
-                        prompt_tps += f.timings.prompt_n as f64 / (f.timings.prompt_ms / 1e3).max(1e-9) / parallel as f64;
+                        prompt_tps += f.timings.prompt_n as f64
+                            / (f.timings.prompt_ms / 1e3).max(1e-9)
+                            / parallel as f64;
                     }
                     let _ = t0;
                     let m = e.metrics();
-                    Ok((n as f64 / decode_s.max(1e-9), m.spec.acceptance_rate(), prompt_tps))
+                    Ok((
+                        n as f64 / decode_s.max(1e-9),
+                        m.spec.acceptance_rate(),
+                        prompt_tps,
+                    ))
                 };
                 let (tps, acc, ptps) = match backend {
                     "wgpu" => {
@@ -302,7 +317,11 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                     v.name(),
                     if spec { "mtp-3" } else { "off" },
                     tps,
-                    if spec { format!("{:.1}%", 100.0 * acc) } else { "-".into() },
+                    if spec {
+                        format!("{:.1}%", 100.0 * acc)
+                    } else {
+                        "-".into()
+                    },
                     ptps
                 );
                 rows.push(json!({"backend": backend, "streams": parallel, "cache_v": v.name(), "drafting": spec,
@@ -310,7 +329,10 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
             }
         }
     }
-    let dir = file.parent().unwrap_or(Path::new(".")).join("../../target/bench");
+    let dir = file
+        .parent()
+        .unwrap_or(Path::new("."))
+        .join("../../target/bench");
     let _ = std::fs::create_dir_all(&dir);
     let out = json!({"file": file.display().to_string(), "decode_tokens": decode, "prompt_tokens": 64, "results": rows});
     std::fs::write(dir.join("engine.json"), serde_json::to_string_pretty(&out)?)?;

@@ -91,7 +91,11 @@ fn main() -> Result<()> {
                     .find(|a| !a.starts_with("--"))
                     .map(|f| PathBuf::from(f.as_str()))
                     .unwrap_or_else(|| root.join("fixtures/bench/bench-0.8b-q8_0.gguf"));
-                let backend = if rest.iter().any(|a| a.as_str() == "--wgpu") { "wgpu" } else { "cpu" };
+                let backend = if rest.iter().any(|a| a.as_str() == "--wgpu") {
+                    "wgpu"
+                } else {
+                    "cpu"
+                };
                 return bench::engine(&file, backend, 32);
             }
             let mut it = args[1..].iter();
