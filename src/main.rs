@@ -6,8 +6,7 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 
-use tern::backend::cpu::CpuBackend;
-use tern::backend::wgpu::WgpuBackend;
+use tern::backend::pick::Picked;
 use tern::backend::Backend;
 use tern::backend::KvTypes;
 use tern::gguf::Gguf;
@@ -185,13 +184,6 @@ fn open_file(model: Option<PathBuf>) -> Result<Arc<Gguf>> {
     }))
 }
 
-/// The backend a command runs on.
-enum Picked {
-    Cpu(CpuBackend),
-    Wgpu(WgpuBackend),
-}
-
-/// Runs a generic body on whichever backend was picked.
 macro_rules! on_backend {
     ($picked:expr, |$be:ident| $body:expr) => {
         match $picked {
@@ -201,36 +193,14 @@ macro_rules! on_backend {
     };
 }
 
-/// `auto` takes wgpu when an adapter exists and says why it fell back to the CPU otherwise;
-/// an explicit backend that cannot start is an error naming the reason.
 fn pick_backend(name: BackendName) -> Result<Picked> {
-    match name {
-        BackendName::Cpu => Ok(Picked::Cpu(CpuBackend::new())),
-        BackendName::Wgpu => {
-            let be = WgpuBackend::new()?;
-            eprintln!("{}", be.gpu.describe());
-            Ok(Picked::Wgpu(be))
-        }
-        BackendName::Cuda => bail!("backend cuda is not available in this build (build with --features cuda once the CUDA backend lands)"),
-        BackendName::Auto => match WgpuBackend::new() {
-            // A software rasterizer (lavapipe, WARP) is slower than the CPU backend.
-            Ok(be) if be.gpu.info.device_type == wgpu::DeviceType::Cpu => {
-                eprintln!(
-                    "backend: cpu (auto: the only wgpu adapter, {:?}, is a software renderer; --backend wgpu forces it)",
-                    be.gpu.info.name
-                );
-                Ok(Picked::Cpu(CpuBackend::new()))
-            }
-            Ok(be) => {
-                eprintln!("backend: wgpu (auto); {}", be.gpu.describe());
-                Ok(Picked::Wgpu(be))
-            }
-            Err(e) => {
-                eprintln!("backend: cpu (auto: {e})");
-                Ok(Picked::Cpu(CpuBackend::new()))
-            }
-        },
-    }
+    let name = match name {
+        BackendName::Auto => "auto",
+        BackendName::Cpu => "cpu",
+        BackendName::Wgpu => "wgpu",
+        BackendName::Cuda => "cuda",
+    };
+    Ok(tern::backend::pick::pick(name)?)
 }
 
 fn main() -> Result<()> {

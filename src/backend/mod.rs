@@ -7,6 +7,7 @@
 //! consume it without the activation transform.
 
 pub mod cpu;
+pub mod pick;
 pub mod wgpu;
 
 use std::sync::Arc;

@@ -26,8 +26,7 @@ use anyhow::{bail, Context, Result};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
 
-use crate::backend::cpu::CpuBackend;
-use crate::backend::wgpu::WgpuBackend;
+use crate::backend::pick::Picked;
 use crate::backend::Backend;
 use crate::chat::ChatTemplate;
 use crate::config::{Reasoning, ReasoningFormat, Settings};
@@ -96,50 +95,14 @@ impl<S: Send + Sync> FromRequest<S> for Body {
 /// The default chat template when the model has none (ChatML, as llama.cpp falls back to).
 const CHATML: &str = "{%- for message in messages -%}{{- '<|im_start|>' + message.role + '\n' + (message.content if message.content is string else '') + '<|im_end|>\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}";
 
-/// The backend the model runs on.
-enum Picked {
-    Cpu(CpuBackend),
-    Wgpu(WgpuBackend),
-}
-
-impl Picked {
-    fn kind(&self) -> BackendKind {
-        match self {
-            Picked::Cpu(_) => BackendKind::Cpu,
-            Picked::Wgpu(_) => BackendKind::Wgpu,
-        }
-    }
-}
-
-/// As `tern generate` picks: `auto` takes a hardware wgpu adapter, else the CPU, and says why.
 fn pick_backend(kind: BackendKind) -> Result<Picked> {
-    match kind {
-        BackendKind::Cpu => Ok(Picked::Cpu(CpuBackend::new())),
-        BackendKind::Wgpu => {
-            let be = WgpuBackend::new()?;
-            eprintln!("{}", be.gpu.describe());
-            Ok(Picked::Wgpu(be))
-        }
-        BackendKind::Cuda => bail!(
-            "backend cuda is not available in this build (build with --features cuda once the CUDA backend lands)"
-        ),
-        BackendKind::Auto => match WgpuBackend::new() {
-            Ok(be) if be.gpu.info.device_type == wgpu::DeviceType::Cpu => {
-                eprintln!(
-                    "backend: cpu (auto: the only wgpu adapter, {:?}, is a software renderer; --backend wgpu forces it)",
-                    be.gpu.info.name
-                );
-                Ok(Picked::Cpu(CpuBackend::new()))
-            }
-            Ok(be) => {
-                eprintln!("backend: wgpu (auto); {}", be.gpu.describe());
-                Ok(Picked::Wgpu(be))
-            }
-            Err(e) => {
-                eprintln!("backend: cpu (auto: {e})");
-                Ok(Picked::Cpu(CpuBackend::new()))
-            }
-        },
+    Ok(crate::backend::pick::pick(kind.name())?)
+}
+
+fn picked_kind(p: &Picked) -> BackendKind {
+    match p {
+        Picked::Cpu(_) => BackendKind::Cpu,
+        Picked::Wgpu(_) => BackendKind::Wgpu,
     }
 }
 
@@ -248,7 +211,7 @@ pub fn prepare(mut settings: Settings) -> Result<Prepared> {
     }
     let picked = pick_backend(settings.backend.unwrap_or(BackendKind::Auto))?;
     let mut shape = settings.shape();
-    shape.backend = picked.kind();
+    shape.backend = picked_kind(&picked);
     let ledger = match Budget::resolve(shape.backend, settings.device_mib) {
         Ok(budget) => {
             let fit = plan::fit(&file, &shape, &budget)
