@@ -185,6 +185,8 @@ pub trait Backend: Send + Sync {
     /// An empty attention cache for one layer of one sequence, K and V in the given dtypes.
     fn new_kv(&self, p: &AttnParams, types: KvTypes) -> Result<Self::Kv, BackendError>;
     fn kv_len(&self, kv: &Self::Kv) -> usize;
+    /// Bytes the cache holds now (both K and V, as allocated).
+    fn kv_bytes(&self, kv: &Self::Kv) -> u64;
     /// Drops cached positions `>= len` (rollback and prefix reuse).
     fn kv_truncate(&self, kv: &mut Self::Kv, len: usize);
     /// The gated attention core for rows at positions `pos0..pos0+rows`: splits `qg` into q and
@@ -206,6 +208,8 @@ pub trait Backend: Send + Sync {
 
     fn new_recurrent(&self, p: &GdnParams) -> Self::Rs;
     fn recurrent_copy(&self, from: &Self::Rs, to: &mut Self::Rs);
+    /// Bytes of one recurrent state (conv + SSM).
+    fn recurrent_bytes(&self, rs: &Self::Rs) -> u64;
     /// The Gated DeltaNet core over consecutive tokens of one sequence: causal conv with the
     /// carried state, SiLU, L2 norm, decay and delta rule, gated RMSNorm. Inputs are the
     /// projections `mixed` (conv_dim), `z` (n_v*d), `b` and `a` (n_v). Returns `[rows, n_v*d]`

@@ -198,6 +198,10 @@ pub struct Metrics {
     pub spec: SpecStats,
     /// Per slot: (is_processing, tokens in the slot's cache).
     pub slots: Vec<(bool, usize)>,
+    /// Bytes the slots hold now: attention caches (trunk and MTP) and recurrent state (live,
+    /// rollback cells and prompt checkpoints), as the backend allocated them.
+    pub kv_bytes: u64,
+    pub recurrent_bytes: u64,
 }
 
 struct Submitted {
@@ -493,6 +497,45 @@ impl<B: Backend> Worker<B> {
             .iter()
             .map(|s| (s.task.is_some(), s.tokens.len()))
             .collect();
+        let be = &self.be;
+        let (mut kv, mut rec) = (0u64, 0u64);
+        for s in &self.slots {
+            kv += s
+                .dec
+                .seq
+                .kv
+                .iter()
+                .flatten()
+                .map(|k| be.kv_bytes(k))
+                .sum::<u64>();
+            kv += s.dec.mtp.as_ref().map_or(0, |m| be.kv_bytes(&m.state.kv));
+            rec += s
+                .dec
+                .seq
+                .rs
+                .iter()
+                .flatten()
+                .map(|r| be.recurrent_bytes(r))
+                .sum::<u64>();
+            rec += s
+                .dec
+                .seq
+                .cells
+                .iter()
+                .flatten()
+                .map(|r| be.recurrent_bytes(r))
+                .sum::<u64>();
+            if let Some(ck) = &s.ckpt {
+                rec += ck
+                    .rs
+                    .iter()
+                    .flatten()
+                    .map(|r| be.recurrent_bytes(r))
+                    .sum::<u64>();
+            }
+        }
+        m.kv_bytes = kv;
+        m.recurrent_bytes = rec;
     }
 
     fn reset_slot(&mut self, i: usize) {

@@ -243,8 +243,16 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
     let prompt = prompt(64);
     let mut rows = Vec::new();
     println!(
-        "{:<8} {:>7} {:>6} {:>8} {:>14} {:>12} {:>10}",
-        "backend", "streams", "V", "drafting", "decode t/s", "accept", "prompt t/s"
+        "{:<8} {:>7} {:>6} {:>8} {:>14} {:>12} {:>10} {:>10} {:>12}",
+        "backend",
+        "streams",
+        "V",
+        "drafting",
+        "decode t/s",
+        "accept",
+        "prompt t/s",
+        "KV MiB",
+        "recur. MiB"
     );
     for parallel in [1usize, 3] {
         for v in [GgmlType::F16, GgmlType::Q8_0] {
@@ -266,7 +274,7 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                         v: GgmlType::F16,
                     },
                 };
-                let run = |e: &Engine| -> Result<(f64, f64, f64)> {
+                let run = |e: &Engine| -> Result<(f64, f64, f64, u64, u64)> {
                     let t0 = Instant::now();
                     let hs: Vec<_> = (0..parallel)
                         .map(|_| {
@@ -291,14 +299,18 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                             / parallel as f64;
                     }
                     let _ = t0;
+                    // The worker publishes its counters right after the step that finished.
+                    std::thread::sleep(std::time::Duration::from_millis(100));
                     let m = e.metrics();
                     Ok((
                         n as f64 / decode_s.max(1e-9),
                         m.spec.acceptance_rate(),
                         prompt_tps,
+                        m.kv_bytes,
+                        m.recurrent_bytes,
                     ))
                 };
-                let (tps, acc, ptps) = match backend {
+                let (tps, acc, ptps, kvb, rcb) = match backend {
                     "wgpu" => {
                         let be = tern::backend::wgpu::WgpuBackend::new()?;
                         let m = Model::load(&be, g.clone())?;
@@ -310,8 +322,9 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                         run(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
                     }
                 };
+                let mib = |b: u64| b as f64 / (1 << 20) as f64;
                 println!(
-                    "{:<8} {:>7} {:>6} {:>8} {:>14.2} {:>12} {:>10.1}",
+                    "{:<8} {:>7} {:>6} {:>8} {:>14.2} {:>12} {:>10.1} {:>10.2} {:>12.2}",
                     backend,
                     parallel,
                     v.name(),
@@ -322,10 +335,13 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                     } else {
                         "-".into()
                     },
-                    ptps
+                    ptps,
+                    mib(kvb),
+                    mib(rcb)
                 );
                 rows.push(json!({"backend": backend, "streams": parallel, "cache_v": v.name(), "drafting": spec,
-                    "decode_tps_aggregate": tps, "acceptance": acc, "prompt_tps": ptps}));
+                    "decode_tps_aggregate": tps, "acceptance": acc, "prompt_tps": ptps,
+                    "kv_bytes_allocated": kvb, "recurrent_bytes_allocated": rcb}));
             }
         }
     }

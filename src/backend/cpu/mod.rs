@@ -470,6 +470,14 @@ impl Backend for CpuBackend {
         kv.k.len() / kv.width
     }
 
+    fn kv_bytes(&self, kv: &Kv) -> u64 {
+        ((kv.k.capacity() + kv.v.capacity()) * 4) as u64
+    }
+
+    fn recurrent_bytes(&self, rs: &Recurrent) -> u64 {
+        ((rs.conv.len() + rs.ssm.len()) * 4) as u64
+    }
+
     fn kv_truncate(&self, kv: &mut Kv, len: usize) {
         kv.k.truncate(len * kv.width);
         kv.v.truncate(len * kv.width);

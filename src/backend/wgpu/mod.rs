@@ -273,6 +273,14 @@ impl Backend for WgpuBackend {
         kv.len
     }
 
+    fn kv_bytes(&self, kv: &attention::Kv) -> u64 {
+        (kv.k.buf.size() + kv.v.buf.size()) as u64
+    }
+
+    fn recurrent_bytes(&self, rs: &gdn::Recurrent) -> u64 {
+        rs.conv.size() + rs.ssm.size()
+    }
+
     fn kv_truncate(&self, kv: &mut attention::Kv, len: usize) {
         kv.len = kv.len.min(len);
     }
