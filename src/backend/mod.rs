@@ -70,6 +70,13 @@ impl WeightSource {
     pub fn bytes(&self) -> &[u8] {
         self.file.tensor_data(&self.info)
     }
+    /// Small 1-D weights (norms, biases, decays) and conv taps: every backend decodes these to
+    /// f32 once at upload instead of keeping the stored blocks.
+    pub fn decode_once(&self) -> bool {
+        let (ne0, rows) = self.shape2();
+        rows == 1 || self.info.dims.len() == 1 || (ne0 * rows <= 1 << 16 && ne0 <= 8)
+    }
+
     /// (ne0, rows): input width and output count of a matrix.
     pub fn shape2(&self) -> (usize, usize) {
         (self.info.ne0() as usize, self.info.n_rows() as usize)

@@ -239,7 +239,7 @@ struct Task {
 struct PromptCheckpoint<B: Backend> {
     pos: usize,
     rs: Vec<Option<B::Rs>>,
-    pending_h: Option<Vec<f32>>,
+    pending_h: Option<B::T>,
 }
 
 struct Slot<B: Backend> {
@@ -552,7 +552,8 @@ impl<B: Backend> Worker<B> {
         if let Some(m) = s.dec.mtp.as_mut() {
             self.be.kv_truncate(&mut m.state.kv, 0);
             m.state.pos = 0;
-            m.pending_h.iter_mut().for_each(|v| *v = 0.0);
+            let ne = self.model.cfg.n_embd;
+            m.pending_h = self.be.from_host(&vec![0.0; ne], 1, ne);
         }
         s.tokens.clear();
         s.ckpt = None;
@@ -578,7 +579,7 @@ impl<B: Backend> Worker<B> {
         if let (Some(m), Some(h)) = (s.dec.mtp.as_mut(), ck.pending_h.as_ref()) {
             self.be.kv_truncate(&mut m.state.kv, pos);
             m.state.pos = pos;
-            m.pending_h = h.clone();
+            m.pending_h = self.be.rows(h, 0, 1);
         }
         s.tokens.truncate(pos);
     }
@@ -800,7 +801,7 @@ impl<B: Backend> Worker<B> {
                 s.ckpt = Some(PromptCheckpoint {
                     pos: s.tokens.len(),
                     rs,
-                    pending_h: s.dec.mtp.as_ref().map(|m| m.pending_h.clone()),
+                    pending_h: s.dec.mtp.as_ref().map(|m| self.be.rows(&m.pending_h, 0, 1)),
                 });
                 let n = if *rows { toks.len() } else { 1 };
                 let id = s.dec.sample_row(&self.be, &out.logits, n - 1, n);

@@ -66,7 +66,7 @@ impl SpecStats {
 pub struct Mtp<B: Backend> {
     pub state: MtpState<B>,
     /// The trunk's `h_nextn` of the last position fed to the trunk (zeros before any).
-    pub pending_h: Vec<f32>,
+    pub pending_h: B::T,
 }
 
 /// The outcome of sampling a verify batch.
@@ -103,7 +103,7 @@ impl<B: Backend> SlotDecoder<B> {
         let mtp = if let Some((types, _)) = mtp {
             Some(Mtp {
                 state: model.new_mtp_state_with(be, types)?,
-                pending_h: vec![0.0; model.cfg.n_embd],
+                pending_h: be.from_host(&vec![0.0; model.cfg.n_embd], 1, model.cfg.n_embd),
             })
         } else {
             None
@@ -149,14 +149,15 @@ impl<B: Backend> SlotDecoder<B> {
         let Some(m) = self.mtp.as_mut() else {
             return Ok(());
         };
-        let ne = model.cfg.n_embd;
-        let h_rows = be.to_host(h);
-        let mut hp = Vec::with_capacity(tokens.len() * ne);
-        hp.extend_from_slice(&m.pending_h);
-        hp.extend_from_slice(&h_rows[..(tokens.len() - 1) * ne]);
-        let hp = be.from_host(&hp, tokens.len(), ne);
+        // The trunk's h shifted down one row, all on the device.
+        let n = tokens.len();
+        let hp = if n == 1 {
+            be.rows(&m.pending_h, 0, 1)
+        } else {
+            be.concat_rows(&[&m.pending_h, &be.rows(h, 0, n - 1)])
+        };
         model.mtp_forward(be, &mut m.state, tokens, &hp)?;
-        m.pending_h = h_rows[(tokens.len() - 1) * ne..tokens.len() * ne].to_vec();
+        m.pending_h = be.rows(h, n - 1, 1);
         Ok(())
     }
 
@@ -175,17 +176,22 @@ impl<B: Backend> SlotDecoder<B> {
             return Ok(Vec::new());
         };
         let start = m.state.pos;
-        let ne = model.cfg.n_embd;
         let mut tok = last;
-        let mut h = be.from_host(&m.pending_h, 1, ne);
+        let mut h = be.rows(&m.pending_h, 0, 1);
         let mut drafts = Vec::new();
         for _ in 0..spec.n_max.min(limit) {
             let out = model.mtp_forward(be, &mut m.state, &[tok], &h)?;
-            let logits = be.to_host(&out.logits);
-            let d = argmax(&logits);
-            if probability(&logits, d) < spec.p_min {
-                break;
-            }
+            // Only a p_min test needs the row on the host; otherwise read back the id alone.
+            let d = if spec.p_min > 0.0 {
+                let logits = be.to_host(&out.logits);
+                let d = argmax(&logits);
+                if probability(&logits, d) < spec.p_min {
+                    break;
+                }
+                d
+            } else {
+                be.argmax_rows(&out.logits)[0]
+            };
             drafts.push(d);
             tok = d;
             h = out.h;

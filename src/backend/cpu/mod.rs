@@ -200,40 +200,12 @@ fn softplus(x: f32) -> f32 {
     }
 }
 
-/// The `(sin, cos)` of each rotated pair of a head at position `pos`, for `rope_apply`: NEOX
-/// pairs `(i, i + n_rot/2)` with ggml's interleaved M-RoPE sector rule. Text positions are
-/// `(p, p, p, 0)`, so pairs in the fourth section (or past the three) rotate by position 0,
-/// i.e. not at all.
-fn rope_table(pos: usize, n_rot: usize, base: f32, sections: [i32; 4]) -> Vec<(f32, f32)> {
-    let half = n_rot / 2;
-    let theta_scale = base.powf(-2.0 / n_rot as f32);
-    let sect_dims: i32 = sections.iter().sum();
-    let mut theta_p = pos as f32;
-    let mut table = Vec::with_capacity(half);
-    for i in 0..half {
-        let theta = if sect_dims > 0 {
-            let s = (i as i32) % sect_dims;
-            let in_thw = (s % 3 == 1 && s < 3 * sections[1])
-                || (s % 3 == 2 && s < 3 * sections[2])
-                || (s % 3 == 0 && s < 3 * sections[0]);
-            if in_thw {
-                theta_p
-            } else {
-                0.0
-            }
-        } else {
-            theta_p
-        };
-        table.push(theta.sin_cos());
-        theta_p *= theta_scale;
-    }
-    table
-}
-
-/// Rotates the first `2 * table.len()` dims of one head.
-fn rope_apply(x: &mut [f32], table: &[(f32, f32)]) {
-    let half = table.len();
-    for (i, &(sin, cos)) in table.iter().enumerate() {
+/// Rotates the first `table.len()` dims of one head (`table` is one row of
+/// `backend::rope_table`: `(sin, cos)` per pair, interleaved).
+fn rope_apply(x: &mut [f32], table: &[f32]) {
+    let half = table.len() / 2;
+    for (i, sc) in table.chunks_exact(2).enumerate() {
+        let (sin, cos) = (sc[0], sc[1]);
         let a = x[i];
         let b = x[i + half];
         x[i] = a * cos - b * sin;
@@ -262,7 +234,7 @@ impl Backend for CpuBackend {
         }
         let (ne0, rows) = w.shape2();
         let row_bytes = w.info.row_bytes() as usize;
-        let dense = if rows == 1 || w.info.dims.len() == 1 || (ne0 * rows <= 1 << 16 && ne0 <= 8) {
+        let dense = if w.decode_once() {
             let mut out = vec![0f32; ne0 * rows];
             quant::dequantize_row(ty, w.bytes(), &mut out).map_err(|e| {
                 BackendError::BadWeight {
@@ -510,12 +482,13 @@ impl Backend for CpuBackend {
         let mut q = vec![0f32; n_tok * nh * hd];
         let mut gate = vec![0f32; n_tok * nh * hd];
         let mut k_new = vec![0f32; n_tok * width];
+        let rope_all = super::rope_table(pos0, n_tok, p.n_rot, p.rope_base, p.rope_sections);
         q.par_chunks_mut(nh * hd)
             .zip(gate.par_chunks_mut(nh * hd))
             .zip(k_new.par_chunks_mut(width))
             .enumerate()
             .for_each(|(t, ((qt, gt), kt))| {
-                let rope = rope_table(pos0 + t, p.n_rot, p.rope_base, p.rope_sections);
+                let rope = &rope_all[t * p.n_rot..(t + 1) * p.n_rot];
                 for h in 0..nh {
                     let src = &qg.row(t)[h * 2 * hd..(h + 1) * 2 * hd];
                     let dq = &mut qt[h * hd..(h + 1) * hd];
@@ -523,7 +496,7 @@ impl Backend for CpuBackend {
                     for i in 0..hd {
                         dq[i] = src[i] * s * qn[i];
                     }
-                    rope_apply(dq, &rope);
+                    rope_apply(dq, rope);
                     gt[h * hd..(h + 1) * hd].copy_from_slice(&src[hd..]);
                 }
                 for (src, dk) in k.row(t).chunks_exact(hd).zip(kt.chunks_exact_mut(hd)) {
@@ -531,7 +504,7 @@ impl Backend for CpuBackend {
                     for i in 0..hd {
                         dk[i] = src[i] * s * kn[i];
                     }
-                    rope_apply(dk, &rope);
+                    rope_apply(dk, rope);
                 }
                 round_through(kv.types.k, kt);
             });

@@ -92,12 +92,6 @@ impl Weight {
     }
 }
 
-/// Same rule as the CPU backend: vectors and conv taps are decoded to f32 once.
-fn is_dense(w: &WeightSource) -> bool {
-    let (ne0, rows) = w.shape2();
-    rows == 1 || w.info.dims.len() == 1 || (ne0 * rows <= 1 << 16 && ne0 <= 8)
-}
-
 impl WgpuBackend {
     fn fold_on_device(
         &self,
@@ -160,7 +154,7 @@ impl Backend for WgpuBackend {
             fold: None,
             inverse: None,
         };
-        if is_dense(w) {
+        if w.decode_once() {
             let mut f = vec![0f32; ne0 * rows];
             quant::dequantize_row(ty, bytes, &mut f).map_err(|e| BackendError::BadWeight {
                 name: w.info.name.clone(),
