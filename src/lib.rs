@@ -3,6 +3,7 @@
 //! Layering (dependencies point down): `gguf`, `quant` → `tensor` → `backend` → `model` →
 //! `runtime` → `server` → the `tern` binary.
 
+pub mod alloc;
 pub mod backend;
 pub mod bundled;
 pub mod chat;

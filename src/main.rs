@@ -189,6 +189,8 @@ macro_rules! on_backend {
         match $picked {
             Picked::Cpu($be) => $body,
             Picked::Wgpu($be) => $body,
+            #[cfg(feature = "cuda")]
+            Picked::Cuda($be) => $body,
         }
     };
 }
@@ -203,7 +205,11 @@ fn pick_backend(name: BackendName) -> Result<Picked> {
     Ok(tern::backend::pick::pick(name)?)
 }
 
+#[global_allocator]
+static HEAP: tern::alloc::Counting = tern::alloc::Counting;
+
 fn main() -> Result<()> {
+    HEAP.mark_installed();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Inspect { model, tensors } => inspect(open_file(model)?, tensors),
@@ -302,13 +308,24 @@ where
 {
     let tok = Arc::new(Tokenizer::from_gguf(&file)?);
     let name = be.name();
+    // The planner prices the shape before anything is allocated and refuses one that does not
+    // fit; the boot ledger then sets what was allocated beside it.
+    let mcfg = tern::model::Config::from_gguf(&file)?;
+    let cfg = args.config(mcfg.context_length)?;
+    let kind = match name {
+        "cpu" => tern::plan::BackendKind::Cpu,
+        "wgpu" => tern::plan::BackendKind::Wgpu,
+        _ => tern::plan::BackendKind::Cuda,
+    };
+    let shape = tern::cli::boot::shape_of(&cfg, kind, args.ubatch_size as u64)?;
+    let ledger = tern::cli::boot::plan(&file, &shape, None, "the model")?;
     let m = Model::load(&be, file)?;
-    let cfg = args.config(m.cfg.context_length)?;
     let ids = tok.encode(prompt, true, true)?;
     if ids.is_empty() {
         bail!("the prompt tokenizes to nothing");
     }
     let engine = Engine::start(m, be, tok, cfg.clone())?;
+    tern::cli::boot::report(&ledger, &engine.allocated);
     let t0 = Instant::now();
     let handles: Vec<_> = (0..cfg.parallel)
         .map(|i| {

@@ -504,6 +504,19 @@ fn metrics_families_and_counters() {
     );
     assert!(value(&after, "n_decode_total") >= 6.0);
     assert!(after.contains("tern:memory_ledger_bytes{term=\"kv\"}"));
+    // The boot ledger: the KV the engine allocated is the KV the planner projected.
+    let gauge = |family: &str| -> f64 {
+        after
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("{family}{{term=\"kv\"}} ")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{family} kv in {after}"))
+    };
+    assert!(gauge("tern:memory_allocated_bytes") > 0.0);
+    assert_eq!(
+        gauge("tern:memory_allocated_bytes"),
+        gauge("tern:memory_ledger_bytes")
+    );
     h.stop().unwrap();
 }
 

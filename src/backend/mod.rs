@@ -7,6 +7,8 @@
 //! consume it without the activation transform.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod pick;
 pub mod wgpu;
 
@@ -161,6 +163,52 @@ pub struct GdnWeights<'a, W> {
     pub norm: &'a W,
 }
 
+/// What a backend holds for one uploaded weight. `mapped` is the file's own bytes used in
+/// place (the CPU reads the mapping), counted once per tensor however many uses share it;
+/// `owned` is what the backend allocated (device copies, decoded f32 copies, sign tables).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WeightBytes {
+    pub tensor: String,
+    pub mapped: u64,
+    pub owned: u64,
+}
+
+/// Takes the weights the model loader hands over: a backend uploads them, the planner prices
+/// them with the backend's allocation rule.
+pub trait Uploader {
+    type W;
+    fn upload(&self, w: &WeightSource) -> Result<Self::W, BackendError>;
+}
+
+impl<B: Backend> Uploader for B {
+    type W = B::W;
+    fn upload(&self, w: &WeightSource) -> Result<B::W, BackendError> {
+        Backend::upload(self, w)
+    }
+}
+
+/// Sums `WeightBytes` with the mapped part counted once per tensor.
+#[derive(Clone, Debug, Default)]
+pub struct WeightTally {
+    seen: std::collections::BTreeSet<String>,
+    pub mapped: u64,
+    pub owned: u64,
+    pub count: usize,
+}
+
+impl WeightTally {
+    pub fn add(&mut self, b: WeightBytes) {
+        if self.seen.insert(b.tensor) {
+            self.mapped = self.mapped.saturating_add(b.mapped);
+        }
+        self.owned = self.owned.saturating_add(b.owned);
+        self.count += 1;
+    }
+    pub fn total(&self) -> u64 {
+        self.mapped.saturating_add(self.owned)
+    }
+}
+
 /// The op trait. `T` is an activation tensor resident on the backend, `W` an uploaded weight,
 /// `Kv` one layer's attention cache and `Rs` one layer's recurrent state.
 pub trait Backend: Send + Sync {
@@ -172,6 +220,8 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> &'static str;
 
     fn upload(&self, w: &WeightSource) -> Result<Self::W, BackendError>;
+    /// What `upload` allocated for `w` (the boot ledger's weights line).
+    fn weight_bytes(&self, w: &Self::W) -> WeightBytes;
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Self::T;
     fn to_host(&self, t: &Self::T) -> Vec<f32>;
     /// Copies rows `[start, start + n)` of `t`.
@@ -194,6 +244,10 @@ pub trait Backend: Send + Sync {
     fn kv_len(&self, kv: &Self::Kv) -> usize;
     /// Bytes the cache holds now (both K and V, as allocated).
     fn kv_bytes(&self, kv: &Self::Kv) -> u64;
+    /// Allocates room for `positions` positions now (a slot's whole window, at boot), so that
+    /// decoding never allocates cache memory and `kv_bytes` reports what the planner priced.
+    /// A cache already holding more positions is left as it is.
+    fn kv_reserve(&self, kv: &mut Self::Kv, positions: usize) -> Result<(), BackendError>;
     /// Drops cached positions `>= len` (rollback and prefix reuse).
     fn kv_truncate(&self, kv: &mut Self::Kv, len: usize);
     /// The gated attention core for rows at positions `pos0..pos0+rows`: splits `qg` into q and
@@ -234,6 +288,11 @@ pub trait Backend: Send + Sync {
     ) -> Self::T;
 
     fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
+
+    /// Bytes the backend holds for activations and scratch now, when it pools them (a GPU's
+    /// buffer pool); `None` when they live on the heap (the CPU), where the boot ledger
+    /// measures the heap instead.
+    fn compute_bytes(&self) -> Option<u64>;
 }
 
 /// `(sin θ, cos θ)` for every (row, rotated pair) of a RoPE'd batch at positions `pos0..`, as

@@ -33,7 +33,7 @@ pub fn run_to(args: &FitArgs, out: &mut dyn Write) -> Result<()> {
     let model = s.model_path()?;
     let shape = s.shape();
     let budget = Budget::resolve(shape.backend, s.device_mib)?;
-    let g = Gguf::open(model)?;
+    let g = std::sync::Arc::new(Gguf::open(model)?);
     let fit = plan::fit(&g, &shape, &budget)
         .with_context(|| format!("cannot price {}", model.display()))?;
     if args.json {

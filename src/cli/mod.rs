@@ -1,6 +1,7 @@
 //! The implementations of the `fit`, `config` and `verify` subcommands. Each takes its parsed
 //! clap arguments and returns `anyhow::Result`; `src/main.rs` only dispatches to them.
 
+pub mod boot;
 pub mod config;
 pub mod fit;
 pub mod progress;

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use crate::backend::{Backend, BackendError};
 use crate::gguf::{Gguf, GgufError};
 use crate::quant::hadamard::{HadamardConfig, HadamardError};
-use weights::Weights;
+pub use weights::Weights;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -69,9 +69,12 @@ impl<B: Backend> Model<B> {
     }
 
     pub fn load(be: &B, file: Arc<Gguf>) -> Result<Model<B>, ModelError> {
-        let cfg = Config::from_gguf(&file)?;
+        let mut cfg = Config::from_gguf(&file)?;
         let hadamard = HadamardConfig::from_gguf(&file)?.map(Arc::new);
         let w = Weights::load(be, &file, &cfg, hadamard.as_ref())?;
+        if w.mtp.is_none() {
+            cfg.n_nextn = 0;
+        }
         Ok(Model {
             cfg,
             file,

@@ -11,12 +11,13 @@ pub struct SeqState<B: Backend> {
     pub kv: Vec<Option<B::Kv>>,
     pub rs: Vec<Option<B::Rs>>,
     /// Rollback cells for speculative verify: `cells[il][t]` receives layer il's recurrent
-    /// state after row t of a batch run with `snapshot` (empty until `arm_cells`).
+    /// state after row t of a batch run with `snapshot`, for every row but the last (empty
+    /// until `arm_cells`).
     pub cells: Vec<Vec<B::Rs>>,
 }
 
 impl<B: Backend> SeqState<B> {
-    /// Allocates `n` checkpoint cells per GDN layer (1 + the draft depth when drafting).
+    /// Allocates `n` checkpoint cells per GDN layer (the draft depth when drafting).
     pub fn arm_cells(&mut self, be: &B, p: &crate::backend::GdnParams, n: usize) {
         self.cells = self
             .rs
@@ -26,6 +27,14 @@ impl<B: Backend> SeqState<B> {
                 None => Vec::new(),
             })
             .collect();
+    }
+
+    /// Allocates every attention cache for `positions` positions now (the slot's window).
+    pub fn reserve(&mut self, be: &B, positions: usize) -> Result<(), crate::backend::BackendError> {
+        for kv in self.kv.iter_mut().flatten() {
+            be.kv_reserve(kv, positions)?;
+        }
+        Ok(())
     }
 
     /// Restores every GDN layer to the state after row `t` of the last snapshot batch.
@@ -224,10 +233,12 @@ impl<B: Backend> Model<B> {
                 for (i, it) in items.iter_mut().enumerate() {
                     let n = it.tokens.len();
                     if it.snapshot {
-                        // One row at a time, keeping the state after each in its cell.
+                        // One row at a time, keeping the state after each but the last in
+                        // its cell (after the last row the live state is that state).
                         assert!(
-                            it.seq.cells.get(il).is_some_and(|c| c.len() >= n),
-                            "snapshot batch of {n} rows needs armed cells"
+                            it.seq.cells.get(il).is_some_and(|c| c.len() + 1 >= n),
+                            "snapshot batch of {n} rows needs {} armed cells",
+                            n.saturating_sub(1)
                         );
                         let mut rows_out = Vec::with_capacity(n);
                         for t in 0..n {
@@ -240,8 +251,10 @@ impl<B: Backend> Model<B> {
                             );
                             let rs = it.seq.rs[il].as_mut().expect("recurrent state");
                             rows_out.push(be.gdn(&gp, &m, &zz, &bb, &aa, &w, rs));
-                            let rs = it.seq.rs[il].as_ref().expect("recurrent state");
-                            be.recurrent_copy(rs, &mut it.seq.cells[il][t]);
+                            if t + 1 < n {
+                                let rs = it.seq.rs[il].as_ref().expect("recurrent state");
+                                be.recurrent_copy(rs, &mut it.seq.cells[il][t]);
+                            }
                         }
                         outs.push(be.concat_rows(&rows_out.iter().collect::<Vec<_>>()));
                         continue;

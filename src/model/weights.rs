@@ -5,7 +5,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use super::{Config, ModelError};
-use crate::backend::{Backend, Fold, WeightSource};
+use crate::backend::{Fold, Uploader, WeightSource};
 use crate::gguf::Gguf;
 use crate::quant::hadamard::{GdnPermutation, HadamardConfig};
 
@@ -66,7 +66,7 @@ pub struct Weights<W> {
     pub mtp: Option<MtpWeights<W>>,
 }
 
-struct Loader<'a, B: Backend> {
+struct Loader<'a, B: Uploader> {
     be: &'a B,
     file: &'a Arc<Gguf>,
     cfg: &'a Config,
@@ -76,7 +76,7 @@ struct Loader<'a, B: Backend> {
     as_lookup: BTreeSet<String>,
 }
 
-impl<B: Backend> Loader<'_, B> {
+impl<B: Uploader> Loader<'_, B> {
     fn source(&self, name: &str, dims: &[usize]) -> Result<WeightSource, ModelError> {
         let info = self
             .file
@@ -237,8 +237,54 @@ impl<B: Backend> Loader<'_, B> {
     }
 }
 
+impl<W> Layer<W> {
+    fn each<'a>(&'a self, f: &mut impl FnMut(&'a W)) {
+        f(&self.attn_norm);
+        f(&self.post_attn_norm);
+        match &self.mixer {
+            Mixer::Attn(a) => {
+                for w in [&a.q, &a.k, &a.v, &a.o, &a.q_norm, &a.k_norm] {
+                    f(w);
+                }
+            }
+            Mixer::Gdn(g) => {
+                for w in [
+                    &g.qkv, &g.gate, &g.beta, &g.alpha, &g.conv, &g.dt_bias, &g.ssm_a, &g.norm,
+                    &g.out,
+                ] {
+                    f(w);
+                }
+            }
+        }
+        for w in [&self.ffn_gate, &self.ffn_up, &self.ffn_down] {
+            f(w);
+        }
+    }
+}
+
 impl<W> Weights<W> {
-    pub fn load<B: Backend<W = W>>(
+    /// Every weight held, once per use (a tied output is the table uploaded a second time).
+    pub fn each<'a>(&'a self, mut f: impl FnMut(&'a W)) {
+        f(&self.token_embd);
+        f(&self.output_norm);
+        f(&self.output);
+        for l in &self.layers {
+            l.each(&mut f);
+        }
+        if let Some(m) = &self.mtp {
+            f(&m.enorm);
+            f(&m.hnorm);
+            f(&m.eh_proj);
+            m.layer.each(&mut f);
+            for w in [&m.head_norm, &m.embed, &m.head].into_iter().flatten() {
+                f(w);
+            }
+        }
+    }
+
+    /// Walks the tensor table and hands every weight to `be`: a backend uploads it, the
+    /// planner prices it (the same walk, so the plan and the allocation cannot drift).
+    pub fn load<B: Uploader<W = W>>(
         be: &B,
         file: &Arc<Gguf>,
         cfg: &Config,
@@ -263,7 +309,11 @@ impl<W> Weights<W> {
         for il in 0..cfg.n_layer {
             layers.push(l.layer(il, cfg.is_recurrent(il))?);
         }
-        let mtp = if cfg.has_mtp() {
+        // A header that declares an MTP block whose tensors are absent loads as a model without
+        // one (drafting on it is refused by name: PlanError::MtpTensorsMissing).
+        let mtp_prefix = format!("blk.{}.nextn.", cfg.n_layer);
+        let mtp_present = file.tensors().iter().any(|t| t.name.starts_with(&mtp_prefix));
+        let mtp = if cfg.has_mtp() && mtp_present {
             let il = cfg.n_layer;
             let n = |s: &str| format!("blk.{il}.nextn.{s}");
             let e = cfg.n_embd;

@@ -32,7 +32,7 @@
 
 use super::price::{Geometry, Line, Term};
 use super::table::count;
-use super::{FlashAttn, Shape};
+use super::{BackendKind, FlashAttn, Shape};
 
 /// Keys per tile of the flash-style attention kernel (scores held per row and head).
 pub const ATTN_TILE: u64 = 256;
@@ -91,12 +91,18 @@ pub(crate) fn estimate(geo: &Geometry, shape: &Shape) -> (Line, Option<Line>) {
     };
     let out_rows = shape.parallel.saturating_mul(shape.recurrent_copies());
     let logits = mul(&[out_rows, geo.n_vocab, F32]);
-    let parts = vec![
+    let mut parts = vec![
         ("activations".to_string(), acts),
         ("attention scores".to_string(), scores),
         ("gdn chunk states".to_string(), chunks),
         ("logits".to_string(), logits),
     ];
+    if shape.parallel > 1 {
+        // A step mixing slots splits each projection per slot for the mixers and joins the
+        // outputs: a second copy of the activations is live meanwhile.
+        parts.push(("per-slot splits of a mixed batch".to_string(), acts));
+    }
+    pooled(shape, &mut parts);
     let main = Line {
         term: Term::Compute,
         bytes: sum(&parts),
@@ -117,11 +123,12 @@ pub(crate) fn estimate(geo: &Geometry, shape: &Shape) -> (Line, Option<Line>) {
     let d_acts = mul(&[rows, draft_row, F32]);
     let d_scores = scores;
     let d_logits = mul(&[shape.parallel, geo.n_vocab, F32]);
-    let parts = vec![
+    let mut parts = vec![
         ("activations".to_string(), d_acts),
         ("attention scores".to_string(), d_scores),
         ("logits".to_string(), d_logits),
     ];
+    pooled(shape, &mut parts);
     let draft = Line {
         term: Term::DraftCompute,
         bytes: sum(&parts),
@@ -134,6 +141,19 @@ pub(crate) fn estimate(geo: &Geometry, shape: &Shape) -> (Line, Option<Line>) {
         parts,
     };
     (main, Some(draft))
+}
+
+/// A GPU backend takes activations from a pool of power-of-two size classes, so a buffer can
+/// be up to twice its tensor and a freed one serves only its own class: the pool is priced at
+/// twice the live set.
+fn pooled(shape: &Shape, parts: &mut Vec<(String, u64)>) {
+    if matches!(shape.backend, BackendKind::Wgpu | BackendKind::Cuda) {
+        let live = sum(parts);
+        parts.push((
+            "pool rounding (power-of-two size classes)".to_string(),
+            live,
+        ));
+    }
 }
 
 fn mul(xs: &[u64]) -> u64 {

@@ -3,6 +3,8 @@
 use super::price::Ledger;
 use super::table::{count, mib};
 use super::{BackendKind, KvType, PlanError, Shape, SpecType, MIB};
+use std::sync::Arc;
+
 use crate::gguf::Gguf;
 use crate::model::Config;
 
@@ -25,8 +27,9 @@ impl Budget {
         }
     }
 
-    /// `--device-mib` when given; otherwise the backend's free memory as it reports it. Only
-    /// the CPU can be asked today (MemAvailable); wgpu, cuda and auto need `--device-mib`.
+    /// `--device-mib` when given; otherwise the backend's free memory as it reports it: the
+    /// CPU's MemAvailable, a CUDA device's cuMemGetInfo (in a `--features cuda` build with a
+    /// device). wgpu has no portable free-memory query, so it and auto need `--device-mib`.
     pub fn resolve(backend: BackendKind, device_mib: Option<u64>) -> Result<Budget, PlanError> {
         if let Some(n) = device_mib {
             return Ok(Budget::mib(n));
@@ -43,6 +46,17 @@ impl Budget {
                     source: "cpu: MemAvailable from /proc/meminfo".into(),
                 })
             }
+            BackendKind::Cuda => match crate::backend::pick::device_memory("cuda") {
+                Some(Ok((free, total))) => Ok(Budget {
+                    bytes: free,
+                    source: format!(
+                        "cuda: cuMemGetInfo free {} of {} MiB",
+                        super::mib(free),
+                        super::mib(total)
+                    ),
+                }),
+                _ => Err(PlanError::BudgetUnknown { backend: "cuda" }),
+            },
             b => Err(PlanError::BudgetUnknown { backend: b.name() }),
         }
     }
@@ -114,7 +128,7 @@ pub struct Fit {
 }
 
 /// Prices `shape` for `g` and sets it against `budget`.
-pub fn fit(g: &Gguf, shape: &Shape, budget: &Budget) -> Result<Fit, PlanError> {
+pub fn fit(g: &Arc<Gguf>, shape: &Shape, budget: &Budget) -> Result<Fit, PlanError> {
     let cfg = Config::from_gguf(g)?;
     let ledger = Ledger::price_with(g, &cfg, shape)?;
     let verdict = Verdict::of(&ledger, budget);
@@ -131,13 +145,13 @@ pub fn fit(g: &Gguf, shape: &Shape, budget: &Budget) -> Result<Fit, PlanError> {
     })
 }
 
-fn needed(g: &Gguf, cfg: &Config, s: &Shape, budget: &Budget) -> Option<(u64, bool)> {
+fn needed(g: &Arc<Gguf>, cfg: &Config, s: &Shape, budget: &Budget) -> Option<(u64, bool)> {
     let l = Ledger::price_with(g, cfg, s).ok()?;
     let v = Verdict::of(&l, budget);
     Some((v.needed, v.fits))
 }
 
-fn suggest(g: &Gguf, cfg: &Config, shape: &Shape, budget: &Budget, before: u64) -> Vec<Suggestion> {
+fn suggest(g: &Arc<Gguf>, cfg: &Config, shape: &Shape, budget: &Budget, before: u64) -> Vec<Suggestion> {
     let slot = shape.n_ctx_slot();
     let mut cands: Vec<(String, String, Shape)> = Vec::new();
 

@@ -6,7 +6,10 @@
 //! would. Nothing here reads tensor data or allocates device memory.
 //!
 //! Terms and their formulas:
-//! - **weights**: the tensor bytes as stored (the sum of the tensor table's `nbytes`).
+//! - **weights**: what the chosen backend takes for the tensors the loader uses, walked by the
+//!   loader itself: on the CPU the stored bytes read in place from the mapping (once per
+//!   tensor) plus f32 copies of small weights; on a GPU the device copies, the f32 copies and
+//!   the Hadamard sign vectors.
 //! - **kv**: `pool × n_full_layers × row(n_head_kv × head_dim)` per cache, K and V at their own
 //!   dtypes (f32 4, f16/bf16 2, q8_0 34/32, q4_0 18/32 bytes per element). Only full-attention
 //!   trunk layers have KV.
@@ -14,16 +17,21 @@
 //!   `spec-draft-type-k/-v`.
 //! - **recurrent**: per slot per Gated-DeltaNet layer `(d_conv − 1)·conv_dim + d_state²·n_v`
 //!   f32, times `1 + draft_n_max` rollback copies when drafting is armed.
+//! - **checkpoint**: one more recurrent state per slot, held at the end of the last prompt for
+//!   prefix reuse.
 //! - **compute / draft compute**: estimated, see [`compute`].
 //! - **projector**, **lora**: the files' sizes.
 //!
-//! The margin is not a term: a shape fits when `total + margin <= budget`.
+//! The margin is not a term: a shape fits when `total + margin <= budget`. After boot,
+//! [`boot`] sets what the engine allocated beside this projection.
 
+pub mod boot;
 mod compute;
 mod fit;
 mod price;
 mod table;
 
+pub use boot::Allocated;
 pub use compute::{ATTN_TILE, GDN_CHUNK};
 pub use fit::{fit, parse_mem_available, Budget, Fit, Suggestion, Verdict, POOL_GRAIN};
 pub use price::{Geometry, Ledger, Line, Term};
@@ -374,9 +382,10 @@ pub enum PlanError {
         elems: u64,
     },
     #[error(
-        "backend {backend}: tern does not query the free memory of wgpu or cuda devices yet; \
-         pass --device-mib N with the driver's free figure (e.g. nvidia-smi \
-         --query-gpu=memory.free), or --backend cpu to use MemAvailable"
+        "backend {backend}: no free-memory figure (wgpu has no portable query; cuda needs a \
+         --features cuda build on a machine with a device); pass --device-mib N with the \
+         driver's free figure (e.g. nvidia-smi --query-gpu=memory.free), or --backend cpu to \
+         use MemAvailable"
     )]
     BudgetUnknown { backend: &'static str },
     #[error(

@@ -1,15 +1,17 @@
 //! Pricing a shape into ledger terms, from the GGUF header alone.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::Serialize;
 
 use super::compute;
 use super::table::{count, mib};
-use super::{KvType, PlanError, Shape};
+use super::{BackendKind, KvType, PlanError, Shape};
+use crate::backend::{BackendError, Uploader, WeightBytes, WeightSource, WeightTally};
 use crate::gguf::Gguf;
-use crate::model::Config;
+use crate::model::{Config, Weights};
+use crate::quant::hadamard::HadamardConfig;
 
 /// One line of the ledger.
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, Serialize)]
@@ -19,6 +21,7 @@ pub enum Term {
     Kv,
     DraftKv,
     Recurrent,
+    Checkpoint,
     Compute,
     DraftCompute,
     Projector,
@@ -32,6 +35,7 @@ impl Term {
             Term::Kv => "kv",
             Term::DraftKv => "draft kv",
             Term::Recurrent => "recurrent",
+            Term::Checkpoint => "checkpoint",
             Term::Compute => "compute",
             Term::DraftCompute => "draft compute",
             Term::Projector => "projector",
@@ -93,18 +97,22 @@ impl Ledger {
     /// Opens the model (header only: the mapping's data pages are never touched) and prices
     /// `shape`.
     pub fn price_file(model: impl AsRef<Path>, shape: &Shape) -> Result<Ledger, PlanError> {
-        let g = Gguf::open(model)?;
+        let g = Arc::new(Gguf::open(model)?);
         Ledger::price(&g, shape)
     }
 
     /// Prices `shape` for the model `g`: validates the shape against the model, then every
     /// term. Errors name the rule that was broken.
-    pub fn price(g: &Gguf, shape: &Shape) -> Result<Ledger, PlanError> {
+    pub fn price(g: &Arc<Gguf>, shape: &Shape) -> Result<Ledger, PlanError> {
         let cfg = Config::from_gguf(g)?;
         Ledger::price_with(g, &cfg, shape)
     }
 
-    pub(crate) fn price_with(g: &Gguf, cfg: &Config, shape: &Shape) -> Result<Ledger, PlanError> {
+    pub(crate) fn price_with(
+        g: &Arc<Gguf>,
+        cfg: &Config,
+        shape: &Shape,
+    ) -> Result<Ledger, PlanError> {
         shape.validate()?;
         let n_ctx_slot = shape.n_ctx_slot();
         if n_ctx_slot > cfg.context_length as u64 {
@@ -132,12 +140,13 @@ impl Ledger {
             }
         }
         let geometry = geometry(g, cfg);
-        let mut lines = vec![weights(g)];
+        let mut lines = vec![weights(g, cfg, shape.backend)?];
         lines.push(kv(&geometry, shape)?);
         if shape.drafting() {
             lines.push(draft_kv(&geometry, shape)?);
         }
         lines.push(recurrent(&geometry, shape));
+        lines.push(checkpoint(&geometry, shape));
         let (c, dc) = compute::estimate(&geometry, shape);
         lines.push(c);
         if let Some(dc) = dc {
@@ -214,7 +223,7 @@ impl Ledger {
     }
 }
 
-fn geometry(g: &Gguf, cfg: &Config) -> Geometry {
+fn geometry(g: &Arc<Gguf>, cfg: &Config) -> Geometry {
     // Saturating: the header's numbers are untrusted, and an absurd one must price as a huge
     // (refused) figure, never wrap or panic.
     let m = |xs: &[u64]| xs.iter().fold(1u64, |a, &b| a.saturating_mul(b));
@@ -249,49 +258,143 @@ fn geometry(g: &Gguf, cfg: &Config) -> Geometry {
     }
 }
 
-fn weights(g: &Gguf) -> Line {
-    let mut by_type: BTreeMap<String, (u64, u64)> = BTreeMap::new();
-    for t in g.tensors() {
-        let e = by_type.entry(t.ty.name().to_string()).or_default();
-        e.0 += 1;
-        e.1 = e.1.saturating_add(t.nbytes);
-    }
-    let mut parts: Vec<(String, u64, u64)> =
-        by_type.into_iter().map(|(n, (c, b))| (n, c, b)).collect();
-    parts.sort_by(|a, b| b.2.cmp(&a.2).then(a.0.cmp(&b.0)));
-    let bytes = parts.iter().map(|p| p.2).fold(0u64, u64::saturating_add);
-    let desc: Vec<String> = parts
-        .iter()
-        .map(|(n, c, b)| format!("{n} ×{c} {}", mib(*b)))
-        .collect();
-    Line {
-        term: Term::Weights,
-        bytes,
-        detail: format!(
-            "{} tensors as stored: {}",
-            g.tensors().len(),
-            desc.join(", ")
-        ),
-        estimated: false,
-        parts: parts
-            .into_iter()
-            .map(|(n, c, b)| (format!("{n} ({c} tensors)"), b))
-            .collect(),
+/// The binding limit wgpu's default limits promise (and lavapipe reports): weights larger than
+/// this are uploaded in parts, each padded on its own.
+pub const WGPU_BINDING_LIMIT: u64 = 128 << 20;
+
+/// Prices each weight with a backend's allocation rule, through the model loader's own walk.
+struct Pricer(fn(&WeightSource) -> WeightBytes);
+
+impl Uploader for Pricer {
+    type W = WeightBytes;
+    fn upload(&self, w: &WeightSource) -> Result<WeightBytes, BackendError> {
+        Ok((self.0)(w))
     }
 }
 
+fn wgpu_rule(w: &WeightSource) -> WeightBytes {
+    crate::backend::wgpu::planned_weight_bytes(w, WGPU_BINDING_LIMIT)
+}
+
+/// What the cuda backend's `upload` allocates for `w`: one exact device allocation (at least 4
+/// bytes) of the stored rows, or of the f32 copy of a small weight, plus a sign vector per
+/// Hadamard rule it carries. Kept here rather than in the feature-gated backend so that
+/// `tern fit --backend cuda` prices it in any build.
+fn cuda_rule(w: &WeightSource) -> WeightBytes {
+    let (ne0, rows) = w.shape2();
+    let exact = |n: u64| n.max(4);
+    let mut owned = if w.decode_once() {
+        exact((ne0 as u64).saturating_mul(rows as u64).saturating_mul(4))
+    } else {
+        exact(w.info.nbytes)
+    };
+    let rules = w
+        .fold
+        .as_ref()
+        .map(|f| &f.hadamard)
+        .into_iter()
+        .chain(w.inverse.as_ref());
+    for h in rules {
+        if let Some(s) = h.signs(ne0) {
+            owned = owned.saturating_add(exact(s.len() as u64 * 4));
+        }
+    }
+    WeightBytes {
+        tensor: w.info.name.clone(),
+        mapped: 0,
+        owned,
+    }
+}
+
+/// The backend's rule for what one weight takes: the file's bytes in place on the CPU, device
+/// copies on a GPU, plus the decoded copies of small weights and the sign vectors of folded
+/// ones (a backend not yet chosen is priced as the CPU).
+fn weight_rule(backend: BackendKind) -> fn(&WeightSource) -> WeightBytes {
+    match backend {
+        BackendKind::Cpu | BackendKind::Auto => crate::backend::cpu::planned_weight_bytes,
+        BackendKind::Wgpu => wgpu_rule,
+        BackendKind::Cuda => cuda_rule,
+    }
+}
+
+/// The weights the loader takes for `backend`, walking the tensor table as loading does (a
+/// tied output is priced twice on a GPU, where it is uploaded twice).
+pub fn weight_tally(
+    g: &Arc<Gguf>,
+    cfg: &Config,
+    backend: BackendKind,
+) -> Result<WeightTally, PlanError> {
+    let had = HadamardConfig::from_gguf(g)
+        .map_err(crate::model::ModelError::from)?
+        .map(Arc::new);
+    let priced = Weights::load(&Pricer(weight_rule(backend)), g, cfg, had.as_ref())?;
+    let mut t = WeightTally::default();
+    priced.each(|b| t.add(b.clone()));
+    Ok(t)
+}
+
+fn weights(g: &Arc<Gguf>, cfg: &Config, backend: BackendKind) -> Result<Line, PlanError> {
+    let t = weight_tally(g, cfg, backend)?;
+    let mut by_type: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
+    for t in g.tensors() {
+        let e = by_type.entry(t.ty.name()).or_default();
+        e.0 += 1;
+        e.1 = e.1.saturating_add(t.nbytes);
+    }
+    let mut types: Vec<_> = by_type.into_iter().collect();
+    types.sort_by(|a, b| b.1 .1.cmp(&a.1 .1).then(a.0.cmp(b.0)));
+    let stored: Vec<String> = types
+        .iter()
+        .map(|(n, (c, b))| format!("{n} ×{c} {}", mib(*b)))
+        .collect();
+
+    let mut parts = Vec::new();
+    if t.mapped > 0 {
+        parts.push(("mapped from the file".to_string(), t.mapped));
+    }
+    parts.push(("allocated by the backend".to_string(), t.owned));
+    let pricing = match backend {
+        BackendKind::Cpu | BackendKind::Auto => {
+            "cpu: stored rows read in place + f32 copies of small weights"
+        }
+        _ => "device copies + f32 copies of small weights + Hadamard sign vectors",
+    };
+    Ok(Line {
+        term: Term::Weights,
+        bytes: t.total(),
+        detail: format!(
+            "{} uses of {} tensors (stored: {}); {pricing}",
+            t.count,
+            g.tensors().len(),
+            stored.join(", ")
+        ),
+        estimated: false,
+        parts,
+    })
+}
+
 /// Bytes of one cache over `positions` tokens: `layers` rows of `elems` elements per token.
+/// A GPU backend keeps each cache row in whole 32-bit words (its shaders address words), so a
+/// row of odd blocks (a 34-byte q8_0 block, an 18-byte q4_0 one) is padded to 4 bytes there.
+fn word_rows(shape: &Shape) -> bool {
+    matches!(shape.backend, BackendKind::Wgpu | BackendKind::Cuda)
+}
+
 fn cache_bytes(
     which: &'static str,
     ty: KvType,
     elems: u64,
     layers: u64,
     positions: u64,
+    words: bool,
 ) -> Result<u64, PlanError> {
-    let row = ty
+    let mut row = ty
         .ggml()
         .row_bytes(elems)
         .ok_or(PlanError::KvRow { which, ty, elems })?;
+    if words {
+        row = row.div_ceil(4).saturating_mul(4);
+    }
     Ok(row.saturating_mul(layers).saturating_mul(positions))
 }
 
@@ -299,15 +402,12 @@ fn kv(geo: &Geometry, shape: &Shape) -> Result<Line, PlanError> {
     let elems = geo.n_head_kv.saturating_mul(geo.head_dim);
     let pool = shape.ctx_size;
     let (tk, tv) = (shape.cache_type_k, shape.cache_type_v);
-    let k = cache_bytes("K", tk, elems, geo.n_full_attn, pool)?;
-    let v = cache_bytes("V", tv, elems, geo.n_full_attn, pool)?;
-    let per_token = cache_bytes("K", tk, elems, geo.n_full_attn, 1)?.saturating_add(cache_bytes(
-        "V",
-        tv,
-        elems,
-        geo.n_full_attn,
-        1,
-    )?);
+    let k = cache_bytes("K", tk, elems, geo.n_full_attn, pool, word_rows(shape))?;
+    let v = cache_bytes("V", tv, elems, geo.n_full_attn, pool, word_rows(shape))?;
+    let per_token =
+        cache_bytes("K", tk, elems, geo.n_full_attn, 1, word_rows(shape))?.saturating_add(
+            cache_bytes("V", tv, elems, geo.n_full_attn, 1, word_rows(shape))?,
+        );
     Ok(Line {
         term: Term::Kv,
         bytes: k.saturating_add(v),
@@ -334,15 +434,12 @@ fn draft_kv(geo: &Geometry, shape: &Shape) -> Result<Line, PlanError> {
     let elems = geo.n_head_kv.saturating_mul(geo.head_dim);
     let pool = shape.ctx_size;
     let (tk, tv) = (shape.spec_draft_type_k, shape.spec_draft_type_v);
-    let k = cache_bytes("draft K", tk, elems, geo.n_nextn, pool)?;
-    let v = cache_bytes("draft V", tv, elems, geo.n_nextn, pool)?;
-    let per_pos = cache_bytes("draft K", tk, elems, geo.n_nextn, 1)?.saturating_add(cache_bytes(
-        "draft V",
-        tv,
-        elems,
-        geo.n_nextn,
-        1,
-    )?);
+    let k = cache_bytes("draft K", tk, elems, geo.n_nextn, pool, word_rows(shape))?;
+    let v = cache_bytes("draft V", tv, elems, geo.n_nextn, pool, word_rows(shape))?;
+    let per_pos =
+        cache_bytes("draft K", tk, elems, geo.n_nextn, 1, word_rows(shape))?.saturating_add(
+            cache_bytes("draft V", tv, elems, geo.n_nextn, 1, word_rows(shape))?,
+        );
     Ok(Line {
         term: Term::DraftKv,
         bytes: k.saturating_add(v),
@@ -358,6 +455,24 @@ fn draft_kv(geo: &Geometry, shape: &Shape) -> Result<Line, PlanError> {
         estimated: false,
         parts: vec![(format!("K {tk}"), k), (format!("V {tv}"), v)],
     })
+}
+
+/// One recurrent state per slot kept at the end of its last prompt, so a follow-up request
+/// that extends that prompt resumes there (prefix reuse on a hybrid model cannot truncate the
+/// recurrent state the way it truncates attention caches).
+fn checkpoint(geo: &Geometry, shape: &Shape) -> Line {
+    let bytes = geo.recurrent_bytes_per_slot.saturating_mul(shape.parallel);
+    Line {
+        term: Term::Checkpoint,
+        bytes,
+        detail: format!(
+            "prompt checkpoint for prefix reuse: 1 recurrent state ({} MiB) × {} slots",
+            mib(geo.recurrent_bytes_per_slot),
+            shape.parallel
+        ),
+        estimated: false,
+        parts: Vec::new(),
+    }
 }
 
 fn recurrent(geo: &Geometry, shape: &Shape) -> Line {

@@ -198,7 +198,7 @@ impl Fit {
         if l.lines.iter().any(|x| x.estimated) {
             let _ = writeln!(
                 s,
-                "* estimated: no backend exposes its allocation plan yet (formula in plan::compute)"
+                "* estimated by formula (plan::compute); the boot ledger measures it after a warm-up step"
             );
         }
         s

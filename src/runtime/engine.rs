@@ -202,6 +202,8 @@ pub struct Metrics {
     /// rollback cells and prompt checkpoints), as the backend allocated them.
     pub kv_bytes: u64,
     pub recurrent_bytes: u64,
+    /// The prompt checkpoints' recurrent states (prefix reuse), one copy per slot.
+    pub checkpoint_bytes: u64,
 }
 
 struct Submitted {
@@ -235,9 +237,11 @@ struct Task {
 }
 
 /// The recurrent state, MTP hidden and positions at the end of the last prompt: where a
-/// follow-up request that shares that prompt resumes.
+/// follow-up request that shares that prompt resumes. The states are allocated with the slot
+/// (the planner's `checkpoint` term) and overwritten at each prompt's end.
 struct PromptCheckpoint<B: Backend> {
-    pos: usize,
+    /// The prompt length the states hold, when they hold one.
+    pos: Option<usize>,
     rs: Vec<Option<B::Rs>>,
     pending_h: Option<B::T>,
 }
@@ -246,7 +250,7 @@ struct Slot<B: Backend> {
     dec: SlotDecoder<B>,
     /// Every token fed to the trunk, in order (the prefix cache key).
     tokens: Vec<u32>,
-    ckpt: Option<PromptCheckpoint<B>>,
+    ckpt: PromptCheckpoint<B>,
     task: Option<Task>,
 }
 
@@ -256,6 +260,8 @@ pub struct Engine {
     metrics: Arc<Mutex<Metrics>>,
     pub config: EngineConfig,
     pub n_vocab: usize,
+    /// What boot allocated (weights, caches, states) and the warm-up's compute peak.
+    pub allocated: crate::plan::Allocated,
 }
 
 impl Engine {
@@ -276,30 +282,53 @@ impl Engine {
             ..Default::default()
         }));
         let (tx, rx) = mpsc::channel::<Submitted>();
+        let (boot_tx, boot_rx) = mpsc::channel();
         let cfg = config.clone();
         let m2 = metrics.clone();
         let worker = std::thread::Builder::new()
             .name("tern-engine".into())
             .spawn(move || {
-                let mut w = match Worker::new(model, be, tok, cfg, m2) {
-                    Ok(w) => w,
-                    Err(e) => {
-                        // Fail every request rather than dying silently.
-                        for s in rx.iter() {
-                            let _ = s.tx.send(Event::Error(e.clone()));
-                        }
-                        return;
+                // Boot (allocation and warm-up) runs on the worker, which owns the backend;
+                // `start` waits for its outcome so a shape that cannot be allocated is refused
+                // at boot rather than at the first request.
+                let booted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    Worker::new(model, be, tok, cfg, m2)
+                }))
+                .unwrap_or_else(|p| {
+                    Err(EngineError::Model(format!(
+                        "boot failed: {}",
+                        panic_text(&p)
+                    )))
+                });
+                match booted {
+                    Ok((mut w, allocated)) => {
+                        let _ = boot_tx.send(Ok(allocated));
+                        w.run(rx);
                     }
-                };
-                w.run(rx);
+                    Err(e) => {
+                        let _ = boot_tx.send(Err(e));
+                    }
+                }
             })
             .map_err(|e| EngineError::Model(format!("cannot start the engine thread: {e}")))?;
+        let allocated = match boot_rx.recv() {
+            Ok(Ok(a)) => a,
+            Ok(Err(e)) => {
+                let _ = worker.join();
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = worker.join();
+                return Err(EngineError::Model("the engine thread died at boot".into()));
+            }
+        };
         Ok(Engine {
             tx: Some(tx),
             worker: Some(worker),
             metrics,
             config,
             n_vocab,
+            allocated,
         })
     }
 
@@ -386,6 +415,13 @@ fn floor_char_boundary(s: &str, mut i: usize) -> usize {
     i
 }
 
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_default()
+}
+
 fn model_err(e: ModelError) -> EngineError {
     EngineError::Model(e.to_string())
 }
@@ -397,11 +433,15 @@ impl<B: Backend> Worker<B> {
         tok: Arc<Tokenizer>,
         cfg: EngineConfig,
         metrics: Arc<Mutex<Metrics>>,
-    ) -> Result<Self, EngineError> {
+    ) -> Result<(Self, crate::plan::Allocated), EngineError> {
         let mut slots = Vec::with_capacity(cfg.parallel);
+        let gp = model.cfg.gdn_params();
         for _ in 0..cfg.parallel {
-            let seq = model.new_state_with(&be, cfg.kv_types).map_err(model_err)?;
-            let dec = SlotDecoder::new(
+            // The slot's whole window is allocated now: decoding never allocates cache memory.
+            let mut seq = model.new_state_with(&be, cfg.kv_types).map_err(model_err)?;
+            seq.reserve(&be, cfg.n_ctx_slot())
+                .map_err(|e| EngineError::Model(format!("KV cache: {e}")))?;
+            let mut dec = SlotDecoder::new(
                 &model,
                 &be,
                 seq,
@@ -409,14 +449,28 @@ impl<B: Backend> Worker<B> {
                 cfg.spec.as_ref().map(|sp| (cfg.draft_kv_types, sp.n_max)),
             )
             .map_err(model_err)?;
+            if let Some(m) = dec.mtp.as_mut() {
+                be.kv_reserve(&mut m.state.kv, cfg.n_ctx_slot())
+                    .map_err(|e| EngineError::Model(format!("draft KV cache: {e}")))?;
+            }
+            let ckpt_rs = dec
+                .seq
+                .rs
+                .iter()
+                .map(|r| r.as_ref().map(|_| be.new_recurrent(&gp)))
+                .collect();
             slots.push(Slot {
                 dec,
                 tokens: Vec::new(),
-                ckpt: None,
+                ckpt: PromptCheckpoint {
+                    pos: None,
+                    rs: ckpt_rs,
+                    pending_h: None,
+                },
                 task: None,
             });
         }
-        Ok(Worker {
+        let mut w = Worker {
             model,
             be,
             tok,
@@ -425,7 +479,107 @@ impl<B: Backend> Worker<B> {
             queue: VecDeque::new(),
             metrics,
             closed: false,
-        })
+        };
+        let allocated = w.boot_ledger()?;
+        Ok((w, allocated))
+    }
+
+    /// Weights, caches and states as allocated, then a warm-up step of the largest batch the
+    /// scheduler forms (a full ubatch of prompt on slot 0 through the trunk and the MTP block,
+    /// a verify batch of `1 + draft depth` rows on every other slot), measuring the compute
+    /// it takes; the slots are reset afterwards.
+    fn boot_ledger(&mut self) -> Result<crate::plan::Allocated, EngineError> {
+        let be = &self.be;
+        let mut weights = crate::backend::WeightTally::default();
+        self.model.w.each(|w| weights.add(be.weight_bytes(w)));
+        let mut a = crate::plan::Allocated {
+            weights: weights.total(),
+            ..Default::default()
+        };
+        for s in &self.slots {
+            a.kv += s
+                .dec
+                .seq
+                .kv
+                .iter()
+                .flatten()
+                .map(|k| be.kv_bytes(k))
+                .sum::<u64>();
+            a.draft_kv += s.dec.mtp.as_ref().map_or(0, |m| be.kv_bytes(&m.state.kv));
+            a.recurrent += s
+                .dec
+                .seq
+                .rs
+                .iter()
+                .flatten()
+                .chain(s.dec.seq.cells.iter().flatten())
+                .map(|r| be.recurrent_bytes(r))
+                .sum::<u64>();
+            a.checkpoint += s
+                .ckpt
+                .rs
+                .iter()
+                .flatten()
+                .map(|r| be.recurrent_bytes(r))
+                .sum::<u64>();
+        }
+        let heap = crate::alloc::mark();
+        self.warm_up()?;
+        let be = &self.be;
+        (a.compute, a.compute_how) = match be.compute_bytes() {
+            Some(after) => (
+                Some(after),
+                format!("{}'s buffer pool after the warm-up step", be.name()),
+            ),
+            None => match crate::alloc::peak_since(heap) {
+                Some(p) => (
+                    Some(p),
+                    "the heap's peak growth over the warm-up step".to_string(),
+                ),
+                None => (None, "not measured (no counting allocator)".to_string()),
+            },
+        };
+        for i in 0..self.slots.len() {
+            self.reset_slot(i);
+        }
+        Ok(a)
+    }
+
+    fn warm_up(&mut self) -> Result<(), EngineError> {
+        let n_ctx_slot = self.cfg.n_ctx_slot();
+        let depth = self.cfg.spec.as_ref().map_or(0, |sp| sp.n_max);
+        let first = vec![0u32; self.cfg.ubatch.min(n_ctx_slot).max(1)];
+        let verify = vec![0u32; (1 + depth).min(n_ctx_slot)];
+        let outs = {
+            let mut items: Vec<BatchItem<B>> = self
+                .slots
+                .iter_mut()
+                .enumerate()
+                .map(|(i, s)| {
+                    let tokens: &[u32] = if i == 0 { &first } else { &verify };
+                    let all_rows = i > 0 || s.dec.wants_rows();
+                    BatchItem {
+                        seq: &mut s.dec.seq,
+                        tokens,
+                        all_rows,
+                        snapshot: i > 0 && tokens.len() > 1,
+                    }
+                })
+                .collect();
+            self.model
+                .forward_batch(&self.be, &mut items)
+                .map_err(model_err)?
+        };
+        let first_h = &outs[0].h;
+        self.slots[0]
+            .dec
+            .mtp_process(&self.model, &self.be, &first, first_h)
+            .map_err(model_err)?;
+        for o in &outs {
+            // Reading the ids back finishes the step on a device.
+            let _ = self.be.argmax_rows(&o.logits);
+        }
+        Ok(())
     }
 
     fn run(&mut self, rx: Receiver<Submitted>) {
@@ -468,12 +622,10 @@ impl<B: Backend> Worker<B> {
             // A bug in a step must fail the requests in flight, not kill the engine.
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()))
                 .unwrap_or_else(|p| {
-                    let why = p
-                        .downcast_ref::<String>()
-                        .cloned()
-                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                        .unwrap_or_default();
-                    Err(EngineError::Model(format!("internal error: {why}")))
+                    Err(EngineError::Model(format!(
+                        "internal error: {}",
+                        panic_text(&p)
+                    )))
                 });
             if let Err(e) = r {
                 // A model error fails the requests in flight, never the process.
@@ -498,7 +650,7 @@ impl<B: Backend> Worker<B> {
             .map(|s| (s.task.is_some(), s.tokens.len()))
             .collect();
         let be = &self.be;
-        let (mut kv, mut rec) = (0u64, 0u64);
+        let (mut kv, mut rec, mut ckpt) = (0u64, 0u64, 0u64);
         for s in &self.slots {
             kv += s
                 .dec
@@ -525,17 +677,17 @@ impl<B: Backend> Worker<B> {
                 .flatten()
                 .map(|r| be.recurrent_bytes(r))
                 .sum::<u64>();
-            if let Some(ck) = &s.ckpt {
-                rec += ck
-                    .rs
-                    .iter()
-                    .flatten()
-                    .map(|r| be.recurrent_bytes(r))
-                    .sum::<u64>();
-            }
+            ckpt += s
+                .ckpt
+                .rs
+                .iter()
+                .flatten()
+                .map(|r| be.recurrent_bytes(r))
+                .sum::<u64>();
         }
         m.kv_bytes = kv;
         m.recurrent_bytes = rec;
+        m.checkpoint_bytes = ckpt;
     }
 
     fn reset_slot(&mut self, i: usize) {
@@ -556,7 +708,8 @@ impl<B: Backend> Worker<B> {
             m.pending_h = self.be.from_host(&vec![0.0; ne], 1, ne);
         }
         s.tokens.clear();
-        s.ckpt = None;
+        s.ckpt.pos = None;
+        s.ckpt.pending_h = None;
     }
 
     /// Rolls a slot back to `pos`, which is either its end or its prompt checkpoint.
@@ -565,8 +718,8 @@ impl<B: Backend> Worker<B> {
         if pos == s.tokens.len() {
             return;
         }
-        let ck = s.ckpt.as_ref().expect("rewind to the prompt checkpoint");
-        debug_assert_eq!(ck.pos, pos);
+        let ck = &s.ckpt;
+        debug_assert_eq!(ck.pos, Some(pos), "rewind to the prompt checkpoint");
         for (c, r) in ck.rs.iter().zip(s.dec.seq.rs.iter_mut()) {
             if let (Some(c), Some(r)) = (c.as_ref(), r.as_mut()) {
                 self.be.recurrent_copy(c, r);
@@ -597,8 +750,8 @@ impl<B: Backend> Worker<B> {
         if common == s.tokens.len() && common < prompt.len() {
             return common;
         }
-        match &s.ckpt {
-            Some(ck) if ck.pos <= common && ck.pos < prompt.len() => ck.pos,
+        match s.ckpt.pos {
+            Some(pos) if pos <= common && pos < prompt.len() => pos,
             _ => 0,
         }
     }
@@ -784,25 +937,13 @@ impl<B: Backend> Worker<B> {
                 task.prompt_ms = task.t_start.elapsed().as_secs_f64() * 1e3;
                 task.phase = Phase::Decode;
                 task.t_decode = Some(Instant::now());
-                let gp = self.model.cfg.gdn_params();
-                let rs = s
-                    .dec
-                    .seq
-                    .rs
-                    .iter()
-                    .map(|r| {
-                        r.as_ref().map(|r| {
-                            let mut c = self.be.new_recurrent(&gp);
-                            self.be.recurrent_copy(r, &mut c);
-                            c
-                        })
-                    })
-                    .collect();
-                s.ckpt = Some(PromptCheckpoint {
-                    pos: s.tokens.len(),
-                    rs,
-                    pending_h: s.dec.mtp.as_ref().map(|m| self.be.rows(&m.pending_h, 0, 1)),
-                });
+                for (r, c) in s.dec.seq.rs.iter().zip(s.ckpt.rs.iter_mut()) {
+                    if let (Some(r), Some(c)) = (r, c) {
+                        self.be.recurrent_copy(r, c);
+                    }
+                }
+                s.ckpt.pos = Some(s.tokens.len());
+                s.ckpt.pending_h = s.dec.mtp.as_ref().map(|m| self.be.rows(&m.pending_h, 0, 1));
                 let n = if *rows { toks.len() } else { 1 };
                 let id = s.dec.sample_row(&self.be, &out.logits, n - 1, n);
                 s.dec.last = Some(id);

@@ -89,7 +89,8 @@ pub struct SlotDecoder<B: Backend> {
 
 impl<B: Backend> SlotDecoder<B> {
     /// `mtp = Some((draft cache dtypes, draft depth))` arms drafting (the model must have an
-    /// MTP block) and gives each GDN layer `1 + depth` rollback cells.
+    /// MTP block) and gives each GDN layer `depth` rollback cells: with the live state that
+    /// makes the `1 + depth` recurrent copies per slot the planner prices.
     pub fn new(
         model: &Model<B>,
         be: &B,
@@ -98,7 +99,7 @@ impl<B: Backend> SlotDecoder<B> {
         mtp: Option<(KvTypes, usize)>,
     ) -> Result<Self, ModelError> {
         if let Some((_, depth)) = mtp {
-            seq.arm_cells(be, &model.cfg.gdn_params(), 1 + depth);
+            seq.arm_cells(be, &model.cfg.gdn_params(), depth);
         }
         let mtp = if let Some((types, _)) = mtp {
             Some(Mtp {
@@ -212,8 +213,8 @@ impl<B: Backend> SlotDecoder<B> {
         batch.push(self.last.expect("a sampled token before decoding"));
         batch.extend_from_slice(drafts);
         let armed = self.seq.cells.iter().map(Vec::len).max().unwrap_or(0);
-        if !drafts.is_empty() && armed < batch.len() {
-            self.seq.arm_cells(be, &model.cfg.gdn_params(), batch.len());
+        if !drafts.is_empty() && armed < drafts.len() {
+            self.seq.arm_cells(be, &model.cfg.gdn_params(), drafts.len());
         }
         batch
     }

@@ -147,11 +147,32 @@ pub fn render(state: &AppState, m: &Metrics) -> String {
     // tern's own families.
     let _ = writeln!(
         s,
-        "# HELP tern:memory_ledger_bytes The boot memory ledger, bytes per term (tern fit)"
+        "# HELP tern:memory_ledger_bytes The projected memory ledger, bytes per term (tern fit)"
     );
     let _ = writeln!(s, "# TYPE tern:memory_ledger_bytes gauge");
     for (term, bytes) in &state.cfg.ledger {
         let _ = writeln!(s, "tern:memory_ledger_bytes{{term=\"{term}\"}} {bytes}");
+    }
+    if let Some(e) = state.engine.get() {
+        let a = &e.allocated;
+        let _ = writeln!(
+            s,
+            "# HELP tern:memory_allocated_bytes What boot allocated, bytes per ledger term (compute: the warm-up's peak)"
+        );
+        let _ = writeln!(s, "# TYPE tern:memory_allocated_bytes gauge");
+        let terms = [
+            ("weights", Some(a.weights)),
+            ("kv", Some(a.kv)),
+            ("draft_kv", Some(a.draft_kv)),
+            ("recurrent", Some(a.recurrent)),
+            ("checkpoint", Some(a.checkpoint)),
+            ("compute", a.compute),
+        ];
+        for (term, bytes) in terms {
+            if let Some(b) = bytes {
+                let _ = writeln!(s, "tern:memory_allocated_bytes{{term=\"{term}\"}} {b}");
+            }
+        }
     }
     let _ = writeln!(s, "# HELP tern:backend_info The backend the model runs on");
     let _ = writeln!(s, "# TYPE tern:backend_info gauge");

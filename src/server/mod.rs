@@ -32,7 +32,7 @@ use crate::chat::ChatTemplate;
 use crate::config::{Reasoning, ReasoningFormat, Settings};
 use crate::gguf::Gguf;
 use crate::model::Model;
-use crate::plan::{self, BackendKind, Budget, Ledger, PlanError};
+use crate::plan::{self, BackendKind};
 use crate::runtime::engine::{Engine, EngineConfig};
 use crate::runtime::sampler::SamplerConfig;
 use crate::runtime::speculative::SpecConfig;
@@ -103,6 +103,8 @@ fn picked_kind(p: &Picked) -> BackendKind {
     match p {
         Picked::Cpu(_) => BackendKind::Cpu,
         Picked::Wgpu(_) => BackendKind::Wgpu,
+        #[cfg(feature = "cuda")]
+        Picked::Cuda(_) => BackendKind::Cuda,
     }
 }
 
@@ -212,31 +214,7 @@ pub fn prepare(mut settings: Settings) -> Result<Prepared> {
     let picked = pick_backend(settings.backend.unwrap_or(BackendKind::Auto))?;
     let mut shape = settings.shape();
     shape.backend = picked_kind(&picked);
-    let ledger = match Budget::resolve(shape.backend, settings.device_mib) {
-        Ok(budget) => {
-            let fit = plan::fit(&file, &shape, &budget)
-                .with_context(|| format!("cannot price {model_path}"))?;
-            eprint!("{}", fit.table());
-            if !fit.verdict.fits {
-                bail!(
-                    "the shape does not fit: it needs {} MiB and the budget is {} MiB (see the ledger above for the cheapest changes)",
-                    plan::mib(fit.verdict.needed),
-                    plan::mib(fit.verdict.budget)
-                );
-            }
-            fit.ledger
-        }
-        Err(e @ PlanError::BudgetUnknown { .. }) => {
-            let l = Ledger::price(&file, &shape)
-                .with_context(|| format!("cannot price {model_path}"))?;
-            eprintln!("model   {}", l.model_summary());
-            eprintln!("shape   {}", l.shape.summary());
-            eprint!("{}", l.table());
-            eprintln!("W serve: the fit is not checked: {e}");
-            l
-        }
-        Err(e) => return Err(e.into()),
-    };
+    let ledger = crate::cli::boot::plan(&file, &shape, settings.device_mib, &model_path)?;
     let spec = shape.drafting().then(|| SpecConfig {
         n_max: shape.draft_n_max as usize,
         n_min: settings.spec_draft_n_min.unwrap_or(0) as usize,
@@ -289,10 +267,7 @@ pub fn prepare(mut settings: Settings) -> Result<Prepared> {
         bos_token: token_text(tok.bos()),
         eos_token: token_text(tok.eos()),
     };
-    let backend_name = match &picked {
-        Picked::Cpu(_) => "cpu".to_string(),
-        Picked::Wgpu(_) => "wgpu".to_string(),
-    };
+    let backend_name = picked.name().to_string();
     let cfg = ServerConfig {
         alias: settings.alias.clone().unwrap_or(file_name),
         model_path,
@@ -312,6 +287,7 @@ pub fn prepare(mut settings: Settings) -> Result<Prepared> {
         build_info: format!("tern-{}", env!("CARGO_PKG_VERSION")),
         verbosity: settings.log_verbosity.unwrap_or(3),
         ledger: ledger
+            .clone()
             .lines
             .iter()
             .map(|l| (l.term.name().replace(' ', "_"), l.bytes))
@@ -319,9 +295,15 @@ pub fn prepare(mut settings: Settings) -> Result<Prepared> {
         meta,
     };
     let state = Arc::new(AppState::new(cfg, tok.clone(), template));
-    let loader: Loader = Box::new(move || match picked {
-        Picked::Cpu(be) => start_engine(be, file, tok, ecfg),
-        Picked::Wgpu(be) => start_engine(be, file, tok, ecfg),
+    let loader: Loader = Box::new(move || {
+        let engine = match picked {
+            Picked::Cpu(be) => start_engine(be, file, tok, ecfg),
+            Picked::Wgpu(be) => start_engine(be, file, tok, ecfg),
+            #[cfg(feature = "cuda")]
+            Picked::Cuda(be) => start_engine(be, file, tok, ecfg),
+        }?;
+        crate::cli::boot::report(&ledger, &engine.allocated);
+        Ok(engine)
     });
     Ok(Prepared {
         state,

@@ -5,6 +5,9 @@
 //! head that shares the KV head, so each key and value row read serves all of them. Per task:
 //! `Sᵀ = K Qᵀ` (scores, one column per query row), a causal softmax down each column, then
 //! `O = P V` over chunks of `JC` cache rows that stay in L2, and the sigmoid gate.
+//!
+//! A quantized cache is read a chunk of one head at a time, dequantized into per-thread
+//! scratch, so its f32 image is never held whole.
 
 use std::cell::RefCell;
 
@@ -12,6 +15,59 @@ use rayon::prelude::*;
 
 use super::{gemm, math, Tensor};
 use crate::backend::AttnParams;
+use crate::quant;
+use crate::tensor::GgmlType;
+
+/// A cache's rows as stored: f32, or ggml blocks of `row_bytes` per row.
+pub(super) enum Rows<'a> {
+    F32(&'a [f32]),
+    Blocks {
+        ty: GgmlType,
+        data: &'a [u8],
+        row_bytes: usize,
+    },
+}
+
+impl Rows<'_> {
+    /// Head `g`'s `hd` values of rows `j0..j0 + n` (of `width`) as f32, with their row stride.
+    /// f32 rows are borrowed in place; stored blocks are decoded into `buf` (and `row` when the
+    /// head does not start on a block boundary).
+    fn head<'s>(
+        &'s self,
+        g: usize,
+        hd: usize,
+        width: usize,
+        j0: usize,
+        n: usize,
+        buf: &'s mut Vec<f32>,
+        row: &mut Vec<f32>,
+    ) -> (&'s [f32], usize) {
+        match *self {
+            Rows::F32(d) => (&d[j0 * width + g * hd..], width),
+            Rows::Blocks {
+                ty,
+                data,
+                row_bytes,
+            } => {
+                buf.resize(n * hd, 0.0);
+                let bs = ty.block_size();
+                for (r, out) in buf.chunks_exact_mut(hd).enumerate() {
+                    let src = &data[(j0 + r) * row_bytes..][..row_bytes];
+                    if hd.is_multiple_of(bs) {
+                        let hb = hd / bs * ty.type_size();
+                        quant::dequantize_row(ty, &src[g * hb..][..hb], out)
+                            .expect("cache rows are whole blocks");
+                    } else {
+                        row.resize(width, 0.0);
+                        quant::dequantize_row(ty, src, row).expect("cache rows are whole blocks");
+                        out.copy_from_slice(&row[g * hd..][..hd]);
+                    }
+                }
+                (&buf[..], hd)
+            }
+        }
+    }
+}
 
 /// Query tokens per task.
 const TB: usize = 16;
@@ -27,6 +83,9 @@ struct Scratch {
     o: Vec<f32>,
     max: Vec<f32>,
     sum: Vec<f64>,
+    /// A decoded chunk of a quantized cache, and one decoded row.
+    buf: Vec<f32>,
+    row: Vec<f32>,
 }
 
 thread_local! {
@@ -41,8 +100,8 @@ pub(super) fn attend(
     p: &AttnParams,
     q: &[f32],
     gate: &[f32],
-    kc: &[f32],
-    vc: &[f32],
+    kc: Rows<'_>,
+    vc: Rows<'_>,
     width: usize,
     pos0: usize,
     n_tok: usize,
@@ -60,8 +119,6 @@ pub(super) fn attend(
             // Row m of the task is token t0 + m / group, head g * group + m % group.
             let m_rows = (t1 - t0) * group;
             let n_ctx = pos0 + t1;
-            let keys = &kc[g * hd..];
-            let values = &vc[g * hd..];
             SCRATCH.with_borrow_mut(
                 |Scratch {
                      qb,
@@ -69,6 +126,8 @@ pub(super) fn attend(
                      o,
                      max,
                      sum,
+                     buf,
+                     row,
                  }| {
                     qb.clear();
                     for t in t0..t1 {
@@ -76,19 +135,35 @@ pub(super) fn attend(
                     }
                     // Sᵀ[j][m] = k_j · q_m
                     st.resize(n_ctx * m_rows, 0.0);
-                    gemm::dots(keys, width, n_ctx, qb, hd, m_rows, hd, st, m_rows);
+                    for j0 in (0..n_ctx).step_by(JC) {
+                        let n = JC.min(n_ctx - j0);
+                        let (keys, ld) = kc.head(g, hd, width, j0, n, buf, row);
+                        gemm::dots(
+                            keys,
+                            ld,
+                            n,
+                            qb,
+                            hd,
+                            m_rows,
+                            hd,
+                            &mut st[j0 * m_rows..],
+                            m_rows,
+                        );
+                    }
                     softmax_columns(st, m_rows, |m| pos0 + t0 + m / group + 1, p.scale, max, sum);
                     // O = P V, a chunk of cache rows at a time.
                     o.resize(m_rows * hd, 0.0);
                     for j0 in (0..n_ctx).step_by(JC) {
+                        let n = JC.min(n_ctx - j0);
+                        let (values, ld) = vc.head(g, hd, width, j0, n, buf, row);
                         gemm::outer(
                             &st[j0 * m_rows..],
                             m_rows,
                             m_rows,
-                            &values[j0 * width..],
-                            width,
+                            values,
+                            ld,
                             hd,
-                            JC.min(n_ctx - j0),
+                            n,
                             o,
                             hd,
                             j0 > 0,

@@ -134,20 +134,105 @@ impl Weight {
     }
 }
 
-/// The attention cache of one layer. Values are kept as f32 but rounded through the chosen
-/// dtype when stored, so the numbers are exactly those of a cache held in that dtype.
+/// The attention cache of one layer, held in its dtypes: f32 rows as floats, f16/bf16/q8_0/
+/// q4_0 rows as ggml's bytes. Attention dequantizes a tile of one head at a time, so a
+/// quantized cache never exists as f32 (the planner prices it at its stored size).
 pub struct Kv {
-    k: Vec<f32>,
-    v: Vec<f32>,
+    k: KvStore,
+    v: KvStore,
     width: usize,
-    types: KvTypes,
+    len: usize,
 }
 
-/// Rounds one cache row through `ty` (quantize then dequantize), as storing it would.
-fn round_through(ty: GgmlType, row: &mut [f32]) {
-    if ty != GgmlType::F32 {
-        let q = quant::quantize_row(ty, row).expect("cache row is whole blocks");
-        quant::dequantize_row(ty, &q, row).expect("cache row is whole blocks");
+/// One cache (K or V) of `width`-wide rows.
+enum KvStore {
+    F32(Vec<f32>),
+    Blocks {
+        ty: GgmlType,
+        data: Vec<u8>,
+        row_bytes: usize,
+    },
+}
+
+impl KvStore {
+    fn new(ty: GgmlType, width: usize) -> KvStore {
+        match ty {
+            GgmlType::F32 => KvStore::F32(Vec::new()),
+            _ => KvStore::Blocks {
+                ty,
+                data: Vec::new(),
+                row_bytes: ty.row_bytes(width as u64).expect("checked by new_kv") as usize,
+            },
+        }
+    }
+
+    fn row_size(&self, width: usize) -> usize {
+        match self {
+            KvStore::F32(_) => width * 4,
+            KvStore::Blocks { row_bytes, .. } => *row_bytes,
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            KvStore::F32(d) => (d.capacity() * 4) as u64,
+            KvStore::Blocks { data, .. } => data.capacity() as u64,
+        }
+    }
+
+    /// Room for `rows` rows in all, allocated once (the slot's window at boot).
+    fn reserve(&mut self, width: usize, rows: usize) {
+        match self {
+            KvStore::F32(d) => d.reserve_exact((rows * width).saturating_sub(d.len())),
+            KvStore::Blocks {
+                data, row_bytes, ..
+            } => data.reserve_exact((rows * *row_bytes).saturating_sub(data.len())),
+        }
+    }
+
+    fn truncate(&mut self, width: usize, rows: usize) {
+        match self {
+            KvStore::F32(d) => d.truncate(rows * width),
+            KvStore::Blocks {
+                data, row_bytes, ..
+            } => data.truncate(rows * *row_bytes),
+        }
+    }
+
+    /// Appends `src` (`[n][width]` f32), converted to the store's dtype.
+    fn append(&mut self, src: &[f32], width: usize) {
+        match self {
+            KvStore::F32(d) => d.extend_from_slice(src),
+            KvStore::Blocks {
+                ty,
+                data,
+                row_bytes,
+            } => {
+                let rows: Vec<Vec<u8>> = src
+                    .par_chunks(width)
+                    .map(|r| quant::quantize_row(*ty, r).expect("cache row is whole blocks"))
+                    .collect();
+                for r in rows {
+                    debug_assert_eq!(r.len(), *row_bytes);
+                    data.extend_from_slice(&r);
+                }
+            }
+        }
+    }
+
+    fn view(&self) -> attention::Rows<'_> {
+        match self {
+            KvStore::F32(d) => attention::Rows::F32(d),
+            KvStore::Blocks {
+                ty,
+                data,
+                row_bytes,
+            } => attention::Rows::Blocks {
+                ty: *ty,
+                data,
+                row_bytes: *row_bytes,
+            },
+        }
     }
 }
 
@@ -213,6 +298,23 @@ fn rope_apply(x: &mut [f32], table: &[f32]) {
     }
 }
 
+/// What `upload` holds for `w`: the stored rows read in place from the mapping, plus the f32
+/// copies of a small weight (and its transpose when it has several rows).
+pub fn planned_weight_bytes(w: &WeightSource) -> super::WeightBytes {
+    let (ne0, rows) = w.shape2();
+    let f32s = (ne0 as u64).saturating_mul(rows as u64).saturating_mul(4);
+    let owned = match (w.decode_once(), rows > 1) {
+        (false, _) => 0,
+        (true, false) => f32s,
+        (true, true) => f32s.saturating_mul(2),
+    };
+    super::WeightBytes {
+        tensor: w.info.name.clone(),
+        mapped: w.info.nbytes,
+        owned,
+    }
+}
+
 impl Backend for CpuBackend {
     type T = Tensor;
     type W = Weight;
@@ -262,6 +364,19 @@ impl Backend for CpuBackend {
             fold: w.fold.clone(),
             inverse: w.inverse.clone(),
         })
+    }
+
+    fn compute_bytes(&self) -> Option<u64> {
+        None
+    }
+
+    fn weight_bytes(&self, w: &Weight) -> super::WeightBytes {
+        let f32s = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |d| d.len() as u64 * 4);
+        super::WeightBytes {
+            tensor: w.src.info.name.clone(),
+            mapped: w.src.bytes().len() as u64,
+            owned: f32s(&w.dense) + f32s(&w.dense_t),
+        }
     }
 
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Tensor {
@@ -431,19 +546,33 @@ impl Backend for CpuBackend {
             }
         }
         Ok(Kv {
-            k: Vec::new(),
-            v: Vec::new(),
+            k: KvStore::new(types.k, width),
+            v: KvStore::new(types.v, width),
             width,
-            types,
+            len: 0,
         })
     }
 
     fn kv_len(&self, kv: &Kv) -> usize {
-        kv.k.len() / kv.width
+        kv.len
     }
 
     fn kv_bytes(&self, kv: &Kv) -> u64 {
-        ((kv.k.capacity() + kv.v.capacity()) * 4) as u64
+        kv.k.bytes() + kv.v.bytes()
+    }
+
+    fn kv_reserve(&self, kv: &mut Kv, positions: usize) -> Result<(), BackendError> {
+        for (which, c) in [("K", &mut kv.k), ("V", &mut kv.v)] {
+            let bytes = positions.checked_mul(c.row_size(kv.width));
+            if bytes.is_none_or(|b| b > isize::MAX as usize) {
+                return Err(BackendError::BadWeight {
+                    name: format!("{which} cache"),
+                    what: format!("{positions} positions do not fit in memory"),
+                });
+            }
+            c.reserve(kv.width, positions);
+        }
+        Ok(())
     }
 
     fn recurrent_bytes(&self, rs: &Recurrent) -> u64 {
@@ -451,8 +580,11 @@ impl Backend for CpuBackend {
     }
 
     fn kv_truncate(&self, kv: &mut Kv, len: usize) {
-        kv.k.truncate(len * kv.width);
-        kv.v.truncate(len * kv.width);
+        if len < kv.len {
+            kv.k.truncate(kv.width, len);
+            kv.v.truncate(kv.width, len);
+            kv.len = len;
+        }
     }
 
     fn attention(
@@ -506,15 +638,20 @@ impl Backend for CpuBackend {
                     }
                     rope_apply(dk, rope);
                 }
-                round_through(kv.types.k, kt);
             });
-        kv.k.extend_from_slice(&k_new);
-        let n0 = kv.v.len();
-        kv.v.extend_from_slice(&v.data);
-        kv.v[n0..]
-            .par_chunks_mut(width)
-            .for_each(|r| round_through(kv.types.v, r));
-        attention::attend(p, &q, &gate, &kv.k, &kv.v, kv.width, pos0, n_tok)
+        kv.k.append(&k_new, width);
+        kv.v.append(&v.data, width);
+        kv.len += n_tok;
+        attention::attend(
+            p,
+            &q,
+            &gate,
+            kv.k.view(),
+            kv.v.view(),
+            kv.width,
+            pos0,
+            n_tok,
+        )
     }
 
     fn new_recurrent(&self, p: &GdnParams) -> Recurrent {

@@ -179,6 +179,37 @@ pub fn new_kv(be: &WgpuBackend, p: &AttnParams, types: KvTypes) -> Result<Kv, Ba
     })
 }
 
+/// Sets the buffers to hold exactly `positions` positions (a slot's window, at boot), keeping
+/// the rows held (a cache already holding more is left alone); refuses a window past the
+/// adapter's binding limit.
+pub fn reserve_exact(be: &WgpuBackend, kv: &mut Kv, positions: usize) -> Result<(), BackendError> {
+    // Exactly the window, even below the initial capacity: the boot ledger counts these bytes.
+    if positions == kv.capacity || positions < kv.len {
+        return Ok(());
+    }
+    let max = max_capacity(be, kv);
+    if positions > max {
+        return Err(BackendError::BadWeight {
+            name: "KV cache".into(),
+            what: format!(
+                "{positions} positions exceed the adapter's storage binding limit ({max} positions of this layer's K/V rows)"
+            ),
+        });
+    }
+    regrow(be, kv, positions);
+    Ok(())
+}
+
+fn regrow(be: &WgpuBackend, kv: &mut Kv, capacity: usize) {
+    for c in [&mut kv.k, &mut kv.v] {
+        let buf = alloc_rows(be, c.row_words, capacity);
+        be.gpu
+            .copy(&c.buf, 0, &buf, 0, (kv.len * c.row_words * 4) as u64);
+        c.buf = buf;
+    }
+    kv.capacity = capacity;
+}
+
 /// Grows the buffers to hold `needed` positions, keeping the first `len` rows.
 fn reserve(be: &WgpuBackend, kv: &mut Kv, needed: usize) {
     if needed <= kv.capacity {
@@ -190,13 +221,7 @@ fn reserve(be: &WgpuBackend, kv: &mut Kv, needed: usize) {
         "KV cache of {needed} positions exceeds the adapter's storage binding limit ({max} positions)"
     );
     let capacity = needed.max(kv.capacity * 2).min(max);
-    for c in [&mut kv.k, &mut kv.v] {
-        let buf = alloc_rows(be, c.row_words, capacity);
-        be.gpu
-            .copy(&c.buf, 0, &buf, 0, (kv.len * c.row_words * 4) as u64);
-        c.buf = buf;
-    }
-    kv.capacity = capacity;
+    regrow(be, kv, capacity);
 }
 
 /// Writes `src` (`[rows, width]` f32) into cache rows `row0..` in the cache's dtype.

@@ -110,6 +110,50 @@ impl WgpuBackend {
     }
 }
 
+/// Rows per buffer of a weight split to fit a storage binding of `limit` bytes.
+fn rows_per_part(row_bytes: usize, limit: usize) -> usize {
+    (limit / row_bytes.max(1)).max(1)
+}
+
+/// Bytes of a buffer holding `n` bytes (`GpuContext::upload` pads to 4).
+fn padded(n: u64) -> u64 {
+    n.div_ceil(4).max(1) * 4
+}
+
+/// What `upload` allocates for `w` on a device whose storage bindings hold `binding_limit`
+/// bytes: the stored rows (one buffer per part), or the f32 copy of a small weight, plus a
+/// sign vector per Hadamard rule it carries.
+pub fn planned_weight_bytes(w: &WeightSource, binding_limit: u64) -> crate::backend::WeightBytes {
+    let (ne0, rows) = w.shape2();
+    let row_bytes = w.info.row_bytes() as usize;
+    let mut owned = if w.decode_once() {
+        padded((ne0 as u64).saturating_mul(rows as u64).saturating_mul(4))
+    } else {
+        let per_part = rows_per_part(row_bytes, binding_limit.min(usize::MAX as u64) as usize);
+        let (full, rest) = (rows / per_part, rows % per_part);
+        let part = |n: usize| padded((n as u64).saturating_mul(row_bytes as u64));
+        (full as u64)
+            .saturating_mul(part(per_part))
+            .saturating_add(if rest > 0 { part(rest) } else { 0 })
+    };
+    let rules = w
+        .fold
+        .as_ref()
+        .map(|f| &f.hadamard)
+        .into_iter()
+        .chain(w.inverse.as_ref());
+    for h in rules {
+        if let Some(s) = h.signs(ne0) {
+            owned = owned.saturating_add(padded(s.len() as u64 * 4));
+        }
+    }
+    crate::backend::WeightBytes {
+        tensor: w.info.name.clone(),
+        mapped: 0,
+        owned,
+    }
+}
+
 impl Backend for WgpuBackend {
     type T = Tensor;
     type W = Weight;
@@ -163,7 +207,7 @@ impl Backend for WgpuBackend {
             out.dense = Some(self.gpu.upload(&w.info.name, bytemuck::cast_slice(&f)));
         } else {
             let limit = self.gpu.limits.max_storage_buffer_binding_size as usize;
-            let per_part = (limit / row_bytes.max(1)).max(1);
+            let per_part = rows_per_part(row_bytes, limit);
             let mut row0 = 0;
             while row0 < rows {
                 let n = per_part.min(rows - row0);
@@ -186,6 +230,26 @@ impl Backend for WgpuBackend {
             out.inverse = Some(self.fold_on_device(h, ne0, None));
         }
         Ok(out)
+    }
+
+    fn compute_bytes(&self) -> Option<u64> {
+        Some(self.gpu.pooled_bytes())
+    }
+
+    fn weight_bytes(&self, w: &Weight) -> crate::backend::WeightBytes {
+        let signs = |f: &Option<GpuFold>| {
+            f.as_ref()
+                .and_then(|f| f.signs.as_ref())
+                .map_or(0, |b| b.size())
+        };
+        crate::backend::WeightBytes {
+            tensor: w.name.clone(),
+            mapped: 0,
+            owned: w.parts.iter().map(|p| p.buf.size()).sum::<u64>()
+                + w.dense.as_ref().map_or(0, |b| b.size())
+                + signs(&w.fold)
+                + signs(&w.inverse),
+        }
     }
 
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Tensor {
@@ -273,6 +337,10 @@ impl Backend for WgpuBackend {
 
     fn recurrent_bytes(&self, rs: &gdn::Recurrent) -> u64 {
         rs.conv.size() + rs.ssm.size()
+    }
+
+    fn kv_reserve(&self, kv: &mut attention::Kv, positions: usize) -> Result<(), BackendError> {
+        attention::reserve_exact(self, kv, positions)
     }
 
     fn kv_truncate(&self, kv: &mut attention::Kv, len: usize) {

@@ -1,0 +1,167 @@
+//! The boot ledger: what the engine allocates at boot must be what the planner projected. The
+//! weights, caches, recurrent states and prompt checkpoints to the byte; compute (measured over
+//! the warm-up step: the heap's peak on the cpu, the buffer pool on wgpu) within its
+//! projection. Fixture models × shapes (slots, K/V dtypes, drafting, ubatch) × backends.
+
+mod common;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use tern::backend::{Backend, KvTypes};
+use tern::gguf::Gguf;
+use tern::model::Model;
+use tern::plan::{self, BackendKind, Ledger};
+use tern::runtime::engine::{Engine, EngineConfig};
+use tern::runtime::speculative::SpecConfig;
+use tern::tensor::GgmlType;
+use tern::tokenizer::Tokenizer;
+
+#[global_allocator]
+static HEAP: tern::alloc::Counting = tern::alloc::Counting;
+
+struct Case {
+    parallel: usize,
+    ctx_per_slot: usize,
+    ubatch: usize,
+    kv: KvTypes,
+    depth: Option<usize>,
+}
+
+fn cases(has_mtp: bool) -> Vec<Case> {
+    use GgmlType::*;
+    let mut v = vec![
+        Case {
+            parallel: 1,
+            ctx_per_slot: 256,
+            ubatch: 64,
+            kv: KvTypes { k: F16, v: F16 },
+            depth: None,
+        },
+        Case {
+            parallel: 3,
+            ctx_per_slot: 160,
+            ubatch: 33,
+            kv: KvTypes { k: F16, v: Q8_0 },
+            depth: None,
+        },
+        Case {
+            parallel: 2,
+            ctx_per_slot: 128,
+            ubatch: 128,
+            kv: KvTypes { k: Q4_0, v: BF16 },
+            depth: None,
+        },
+    ];
+    if has_mtp {
+        v.push(Case {
+            parallel: 2,
+            ctx_per_slot: 192,
+            ubatch: 65,
+            kv: KvTypes { k: F16, v: Q8_0 },
+            depth: Some(2),
+        });
+    }
+    v
+}
+
+/// `mk` makes a fresh backend per case, so a pool measures that case alone.
+fn check<B: Backend + 'static>(mk: impl Fn() -> B, kind: BackendKind, fixture: &str)
+where
+    B::W: 'static,
+{
+    // The heap counter is process-wide: one measurement at a time.
+    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    HEAP.mark_installed();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures")
+        .join(fixture);
+    let g = Arc::new(Gguf::open(&path).unwrap());
+    let tok = Arc::new(Tokenizer::from_gguf(&g).unwrap());
+    let has_mtp = tern::model::Config::from_gguf(&g).unwrap().has_mtp();
+    for c in cases(has_mtp) {
+        let cfg = EngineConfig {
+            ctx_size: c.ctx_per_slot * c.parallel,
+            parallel: c.parallel,
+            ubatch: c.ubatch,
+            kv_types: c.kv,
+            spec: c.depth.map(|n_max| SpecConfig {
+                n_max,
+                n_min: 0,
+                p_min: 0.0,
+            }),
+            draft_kv_types: KvTypes {
+                k: GgmlType::F16,
+                v: GgmlType::F16,
+            },
+        };
+        let shape = tern::cli::boot::shape_of(&cfg, kind, c.ubatch as u64).unwrap();
+        let ledger = Ledger::price(&g, &shape).unwrap();
+        let be = mk();
+        let m = Model::load(&be, g.clone()).unwrap();
+        let engine = Engine::start(m, be, tok.clone(), cfg).unwrap();
+        let a = &engine.allocated;
+        let table = plan::boot::table(&ledger, a);
+        eprintln!("{fixture} on {kind:?}, {}:\n{table}", shape.summary());
+        assert!(a.compute.is_some(), "compute not measured:\n{table}");
+        assert!(a.kv > 0 && a.weights > 0, "nothing allocated:\n{table}");
+        assert_eq!(a.draft_kv > 0, c.depth.is_some(), "{table}");
+        assert!(
+            plan::boot::agrees(&ledger, a),
+            "{fixture}: the boot ledger disagrees with the projection:\n{table}"
+        );
+    }
+}
+
+const FIXTURES: [&str; 4] = [
+    "tiny-q8_0.gguf",
+    "tiny-pq2_0.gguf",
+    "tiny-tied-q8_0.gguf",
+    "tiny-f16.gguf",
+];
+
+#[test]
+fn cpu_allocates_what_was_projected() {
+    for f in FIXTURES {
+        check(common::cpu, BackendKind::Cpu, f);
+    }
+}
+
+#[test]
+fn wgpu_allocates_what_was_projected() {
+    if common::wgpu().is_none() {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    }
+    for f in FIXTURES {
+        check(
+            || tern::backend::wgpu::WgpuBackend::new().unwrap(),
+            BackendKind::Wgpu,
+            f,
+        );
+    }
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_allocates_what_was_projected() {
+    let Some(be) = common::cuda() else {
+        return;
+    };
+    // A fresh backend of the same kind (device or emulator) per case.
+    let emulated = be.dev.is_emulated();
+    for f in FIXTURES {
+        check(
+            || {
+                if emulated {
+                    tern::backend::cuda::CudaBackend::emulated().unwrap()
+                } else {
+                    tern::backend::cuda::CudaBackend::new().unwrap()
+                }
+            },
+            BackendKind::Cuda,
+            f,
+        );
+    }
+}
