@@ -139,6 +139,25 @@ fn concurrent_requests_over_fewer_slots_match_each_alone_wgpu() {
     }
 }
 
+#[cfg(feature = "cuda")]
+#[test]
+fn concurrent_requests_over_fewer_slots_match_each_alone_cuda() {
+    if let Some(be) = common::cuda() {
+        // An engine owns its backend: a new one of the same kind (device or emulator).
+        let emulated = be.dev.is_emulated();
+        concurrent(
+            move || {
+                if emulated {
+                    tern::backend::cuda::CudaBackend::emulated().unwrap()
+                } else {
+                    tern::backend::cuda::CudaBackend::new().unwrap()
+                }
+            },
+            24,
+        );
+    }
+}
+
 #[test]
 fn a_follow_up_reuses_the_slot_prefix() {
     let be = common::cpu();

@@ -1,6 +1,7 @@
 //! Whole-model goldens (../shared/docs/goldens.md): tern's logits against stock llama.cpp's on
 //! the same file and tokens, for prefill (one batch) and token-by-token decode, and the MTP
-//! head against the NumPy reference. One test body; one instance per backend present.
+//! head against the NumPy reference. One test body; one instance per backend present (cuda in a
+//! build with `--features cuda`).
 
 mod common;
 
@@ -184,6 +185,17 @@ macro_rules! golden_tests {
                     match super::common::wgpu() {
                         Some(be) => super::check(be, $file),
                         None => eprintln!("skipped: no wgpu adapter"),
+                    }
+                }
+            )*
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda {
+            $(
+                #[test]
+                fn $name() {
+                    if let Some(be) = super::common::cuda() {
+                        super::check(be, $file);
                     }
                 }
             )*

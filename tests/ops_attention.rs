@@ -283,12 +283,7 @@ fn topk_reference(x: &[f32], cols: usize, k: usize) -> (Vec<u32>, Vec<f32>) {
     (ids, vals)
 }
 
-#[test]
-fn wgpu_topk() {
-    let Some(be) = common::wgpu() else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
-    };
+fn topk_on<B: Backend>(be: &B, topk: impl Fn(&B, &B::T, usize) -> (Vec<u32>, Vec<f32>)) {
     let mut rng = Rng(700);
     for (rows, cols) in [
         (1, 1),
@@ -306,24 +301,45 @@ fn wgpu_topk() {
             if k > cols {
                 continue;
             }
-            let (ids, vals) =
-                tern::backend::wgpu::attention::topk_rows(be, &be.from_host(&x, rows, cols), k);
+            let (ids, vals) = topk(be, &be.from_host(&x, rows, cols), k);
             let (want_ids, want_vals) = topk_reference(&x, cols, k);
-            assert_eq!(ids, want_ids, "topk ids {rows}x{cols} k {k}");
-            assert_eq!(vals, want_vals, "topk values {rows}x{cols} k {k}");
+            assert_eq!(
+                ids,
+                want_ids,
+                "topk ids {rows}x{cols} k {k} [{}]",
+                be.name()
+            );
+            assert_eq!(
+                vals,
+                want_vals,
+                "topk values {rows}x{cols} k {k} [{}]",
+                be.name()
+            );
         }
+    }
+}
+
+#[test]
+fn wgpu_topk() {
+    let Some(be) = common::wgpu() else {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    };
+    topk_on(be, tern::backend::wgpu::attention::topk_rows);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_topk() {
+    if let Some(be) = common::cuda() {
+        topk_on(be, tern::backend::cuda::attention::topk_rows);
     }
 }
 
 /// V rows go into the cache untransformed, so the stored bytes must be exactly ggml's
 /// reference quantization of them (`quant::quantize_row`), for every cache dtype, including a
 /// row whose byte size is not a multiple of 4 (one Q8_0 or Q4_0 block per row).
-#[test]
-fn wgpu_cache_bytes_match_ggml() {
-    let Some(be) = common::wgpu() else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
-    };
+fn cache_bytes_on<B: Backend>(be: &B, read_cache: impl Fn(&B, &B::Kv) -> (Vec<u8>, Vec<u8>)) {
     for (n_head_kv, hd) in [(1, 32), (3, 32), (2, 256)] {
         let p = attn_params(n_head_kv, n_head_kv, hd, 16, [3, 3, 2, 0]);
         let mut x = inputs(&p, 9, 800);
@@ -376,7 +392,7 @@ fn wgpu_cache_bytes_match_ggml() {
             let kn = be.upload(&weight("k_norm", F32, hd, 1, &x.k_norm)).unwrap();
             let mut kv = be.new_kv(&p, types).unwrap();
             run_on(be, &p, &x, &qn, &kn, &mut kv, 0, &[4, 5]);
-            let (_, v_bytes) = tern::backend::wgpu::attention::read_cache(be, &kv);
+            let (_, v_bytes) = read_cache(be, &kv);
             let mut want = Vec::new();
             for row in x.v.chunks(width) {
                 want.extend(tern::quant::quantize_row(ty, row).unwrap());
@@ -386,10 +402,28 @@ fn wgpu_cache_bytes_match_ggml() {
             assert_eq!(
                 bad,
                 0,
-                "{ty} width {width}: {bad} of {} cache bytes differ from ggml's",
-                want.len()
+                "{ty} width {width}: {bad} of {} cache bytes differ from ggml's [{}]",
+                want.len(),
+                be.name()
             );
         }
+    }
+}
+
+#[test]
+fn wgpu_cache_bytes_match_ggml() {
+    let Some(be) = common::wgpu() else {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    };
+    cache_bytes_on(be, tern::backend::wgpu::attention::read_cache);
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_cache_bytes_match_ggml() {
+    if let Some(be) = common::cuda() {
+        cache_bytes_on(be, tern::backend::cuda::attention::read_cache);
     }
 }
 

@@ -1,6 +1,7 @@
 //! Op-level tests of `matmul` (every weight dtype, folded or not) and `embed` (with the inverse
-//! rule) against the CPU reference, on every backend; plus wgpu-only checks of the Hadamard
-//! transform on its own, of weights split into several parts, and of the kernel sources.
+//! rule) against the CPU reference, on every backend; plus checks of the Hadamard transform on
+//! its own (wgpu and cuda), and wgpu-only ones of weights split into several parts and of the
+//! kernel sources (the CUDA sources: tests/cuda_kernels.rs).
 
 mod common;
 
@@ -314,12 +315,7 @@ per_backend!(
 
 /// The forward transform alone (`fold_input`) against `Fold::apply`, and the inverse against
 /// `inverse_in_place`: same scale, same butterflies in the same order, so bit-identical.
-#[test]
-fn fwht_bit_exact() {
-    let Some(be) = common::wgpu() else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
-    };
+fn fwht_bit_exact_on<B: Backend>(be: &B, fold_in: impl Fn(&B, &B::T, &B::W, bool) -> B::T) {
     let mut rng = Rng(51);
     for (block, width, explicit, perm) in [
         (64, 128, true, Some(GdnPermutation::new(128, 4, 2).unwrap())),
@@ -350,7 +346,7 @@ fn fwht_bit_exact() {
         for rows in [1, 3] {
             let x = rng.vec(rows * width, 2.0);
             let xt = be.from_host(&x, rows, width);
-            let ours = be.to_host(&fold_input(be, &xt, gw.fold.as_ref().unwrap(), false));
+            let ours = be.to_host(&fold_in(be, &xt, &gw, false));
             let mut want = x.clone();
             let mut scratch = Vec::new();
             want.chunks_mut(width)
@@ -370,7 +366,7 @@ fn fwht_bit_exact() {
                     ..w.clone()
                 })
                 .unwrap();
-            let ours = be.to_host(&fold_input(be, &xt, inv.inverse.as_ref().unwrap(), true));
+            let ours = be.to_host(&fold_in(be, &xt, &inv, true));
             let mut want = x.clone();
             want.chunks_mut(width).for_each(|r| h.inverse_in_place(r));
             assert_close(
@@ -380,6 +376,29 @@ fn fwht_bit_exact() {
                 0.0,
             );
         }
+    }
+}
+
+#[test]
+fn fwht_bit_exact() {
+    let Some(be) = common::wgpu() else {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    };
+    fwht_bit_exact_on(be, |be, x, w, inverse| {
+        let f = if inverse { &w.inverse } else { &w.fold };
+        fold_input(be, x, f.as_ref().unwrap(), inverse)
+    });
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_fwht_bit_exact() {
+    if let Some(be) = common::cuda() {
+        fwht_bit_exact_on(be, |be, x, w, inverse| {
+            let f = if inverse { &w.inverse } else { &w.fold };
+            tern::backend::cuda::matmul::fold_input(be, x, f.as_ref().unwrap(), inverse)
+        });
     }
 }
 

@@ -1,6 +1,8 @@
 //! Choosing a backend by name, shared by the CLI and the server.
 
 use super::cpu::CpuBackend;
+#[cfg(feature = "cuda")]
+use super::cuda::CudaBackend;
 use super::wgpu::WgpuBackend;
 use super::BackendError;
 
@@ -8,6 +10,8 @@ use super::BackendError;
 pub enum Picked {
     Cpu(CpuBackend),
     Wgpu(WgpuBackend),
+    #[cfg(feature = "cuda")]
+    Cuda(CudaBackend),
 }
 
 impl Picked {
@@ -15,13 +19,47 @@ impl Picked {
         match self {
             Picked::Cpu(_) => "cpu",
             Picked::Wgpu(_) => "wgpu",
+            #[cfg(feature = "cuda")]
+            Picked::Cuda(_) => "cuda",
         }
     }
 }
 
-/// `cpu`, `wgpu`, `cuda` or `auto`. `auto` takes wgpu when a hardware adapter exists and says
-/// why it fell back to the CPU otherwise; an explicit backend that cannot start is an error
-/// naming the reason.
+/// Whether this build has the CUDA backend (`--features cuda`).
+pub const CUDA_BUILT: bool = cfg!(feature = "cuda");
+
+/// Opens the CUDA backend with its description line, or says why it cannot: not built in, no
+/// driver, no device, no NVRTC. Never panics.
+#[cfg(feature = "cuda")]
+fn open_cuda() -> Result<(Picked, String), BackendError> {
+    let be = CudaBackend::new()?;
+    let line = be.dev.describe();
+    Ok((Picked::Cuda(be), line))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda() -> Result<(Picked, String), BackendError> {
+    Err(BackendError::Unavailable(
+        "cuda".into(),
+        "this build has no CUDA backend: rebuild with `cargo build --release --features cuda`"
+            .into(),
+    ))
+}
+
+/// `(free, total)` bytes of the device a backend would run on, where the backend can tell:
+/// cuda's cuMemGetInfo (the planner's budget for `--backend cuda`); `None` for the others (wgpu
+/// has no such query; the CPU's figure is MemAvailable) and for a build without cuda.
+pub fn device_memory(name: &str) -> Option<Result<(u64, u64), BackendError>> {
+    match name {
+        #[cfg(feature = "cuda")]
+        "cuda" => Some(super::cuda::device_memory()),
+        _ => None,
+    }
+}
+
+/// `cpu`, `wgpu`, `cuda` or `auto`. `auto` takes cuda when built in and a device is present,
+/// else wgpu when a hardware adapter exists, and says why it passed over each; an explicit
+/// backend that cannot start is an error naming the reason.
 pub fn pick(name: &str) -> Result<Picked, BackendError> {
     match name {
         "cpu" => Ok(Picked::Cpu(CpuBackend::new())),
@@ -30,28 +68,40 @@ pub fn pick(name: &str) -> Result<Picked, BackendError> {
             eprintln!("{}", be.gpu.describe());
             Ok(Picked::Wgpu(be))
         }
-        "cuda" => Err(BackendError::Unavailable(
-            "cuda".into(),
-            "not in this build (the CUDA backend has not landed yet)".into(),
-        )),
-        "auto" => match WgpuBackend::new() {
-            // A software rasterizer (lavapipe, WARP) is slower than the CPU backend.
-            Ok(be) if be.gpu.info.device_type == wgpu::DeviceType::Cpu => {
-                eprintln!(
-                    "backend: cpu (auto: the only wgpu adapter, {:?}, is a software renderer; --backend wgpu forces it)",
-                    be.gpu.info.name
-                );
-                Ok(Picked::Cpu(CpuBackend::new()))
+        "cuda" => {
+            let (picked, line) = open_cuda()?;
+            eprintln!("{line}");
+            Ok(picked)
+        }
+        "auto" => {
+            match open_cuda() {
+                Ok((picked, line)) => {
+                    eprintln!("backend: cuda (auto); {line}");
+                    return Ok(picked);
+                }
+                // Only a build with the feature has something to say about CUDA.
+                Err(e) if CUDA_BUILT => eprintln!("backend: not cuda (auto: {e})"),
+                Err(_) => {}
             }
-            Ok(be) => {
-                eprintln!("backend: wgpu (auto); {}", be.gpu.describe());
-                Ok(Picked::Wgpu(be))
+            match WgpuBackend::new() {
+                // A software rasterizer (lavapipe, WARP) is slower than the CPU backend.
+                Ok(be) if be.gpu.info.device_type == wgpu::DeviceType::Cpu => {
+                    eprintln!(
+                        "backend: cpu (auto: the only wgpu adapter, {:?}, is a software renderer; --backend wgpu forces it)",
+                        be.gpu.info.name
+                    );
+                    Ok(Picked::Cpu(CpuBackend::new()))
+                }
+                Ok(be) => {
+                    eprintln!("backend: wgpu (auto); {}", be.gpu.describe());
+                    Ok(Picked::Wgpu(be))
+                }
+                Err(e) => {
+                    eprintln!("backend: cpu (auto: {e})");
+                    Ok(Picked::Cpu(CpuBackend::new()))
+                }
             }
-            Err(e) => {
-                eprintln!("backend: cpu (auto: {e})");
-                Ok(Picked::Cpu(CpuBackend::new()))
-            }
-        },
+        }
         other => Err(BackendError::Unavailable(
             other.into(),
             "unknown backend (expected cpu, wgpu, cuda or auto)".into(),

@@ -104,8 +104,59 @@ pub fn wgpu() -> Option<&'static WgpuBackend> {
     .as_ref()
 }
 
+/// The CUDA backend when a device is present (built with `--features cuda`), shared by the
+/// tests of one binary; otherwise the reason, which each skipped test prints. Without a device,
+/// `TERN_CUDA_EMULATE=1` runs the backend on its CPU emulator instead (the same host code and
+/// kernels; slow). With `TERN_REQUIRE_CUDA=1` (a GPU machine's run) a missing device fails
+/// instead of skipping.
+#[cfg(feature = "cuda")]
+pub fn cuda_or_reason() -> Result<&'static tern::backend::cuda::CudaBackend, &'static str> {
+    use tern::backend::cuda::CudaBackend;
+    static BE: OnceLock<Result<CudaBackend, String>> = OnceLock::new();
+    let r = BE
+        .get_or_init(|| {
+            let emulate = std::env::var("TERN_CUDA_EMULATE").as_deref() == Ok("1");
+            CudaBackend::new()
+                .or_else(|e| {
+                    if emulate {
+                        eprintln!("no cuda device ({e}): running on the emulator");
+                        CudaBackend::emulated()
+                    } else {
+                        Err(e)
+                    }
+                })
+                .map(|b| {
+                    eprintln!("{}", b.dev.describe());
+                    b
+                })
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(String::as_str);
+    if let Err(why) = r {
+        assert!(
+            std::env::var("TERN_REQUIRE_CUDA").as_deref() != Ok("1"),
+            "TERN_REQUIRE_CUDA=1 but {why}"
+        );
+    }
+    r
+}
+
+/// `cuda_or_reason` with the reason printed on a skip.
+#[cfg(feature = "cuda")]
+pub fn cuda() -> Option<&'static tern::backend::cuda::CudaBackend> {
+    match cuda_or_reason() {
+        Ok(be) => Some(be),
+        Err(why) => {
+            eprintln!("skipped on cuda: {why}");
+            None
+        }
+    }
+}
+
 /// Instantiates a generic test body `fn(&B)` once per backend: `cpu` always, `wgpu` when an
-/// adapter is present (otherwise it prints why it skipped).
+/// adapter is present, `cuda` (in a build with `--features cuda`) when a device is present;
+/// a skipped instance prints why.
 #[macro_export]
 macro_rules! per_backend {
     ($($name:ident),* $(,)?) => {
@@ -124,6 +175,17 @@ macro_rules! per_backend {
                     match super::common::wgpu() {
                         Some(be) => super::$name(be),
                         None => eprintln!("skipped: no wgpu adapter"),
+                    }
+                }
+            )*
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda_backend {
+            $(
+                #[test]
+                fn $name() {
+                    if let Some(be) = super::common::cuda() {
+                        super::$name(be);
                     }
                 }
             )*

@@ -19,8 +19,20 @@ pub struct Options {
     pub runs: usize,
     pub llama: bool,
     pub python: String,
-    /// Backends to measure: "cpu", "wgpu".
+    /// Backends to measure: "cpu", "wgpu", "cuda".
     pub backends: Vec<String>,
+}
+
+/// Bytes of weights one decoded token reads: every matrix of the trunk once (the embedding
+/// table only for one row, unless it is also the output head), not the MTP block.
+fn streamed_bytes(g: &tern::gguf::Gguf) -> u64 {
+    let tied = !g.tensors().iter().any(|t| t.name == "output.weight");
+    g.tensors()
+        .iter()
+        .filter(|t| !t.name.contains(".nextn."))
+        .filter(|t| t.name != "token_embd.weight" || tied)
+        .map(|t| t.nbytes)
+        .sum()
 }
 
 /// The token ids the llama.cpp side uses too (bench_llama.py), so both evaluate the same text.
@@ -55,6 +67,8 @@ fn bench_tern<B: Backend>(be: &B, path: &Path, o: &Options) -> Result<Value> {
         dec.push(o.decode_tokens as f64 / (t2 - t1).as_secs_f64());
     }
     let weight_bytes: u64 = m.file.tensors().iter().map(|t| t.nbytes).sum();
+    let streamed = streamed_bytes(&m.file);
+    let decode_tps = median(dec);
     Ok(json!({
         "engine": "tern",
         "backend": be.name(),
@@ -62,8 +76,11 @@ fn bench_tern<B: Backend>(be: &B, path: &Path, o: &Options) -> Result<Value> {
         "prefill_tokens": o.prompt_tokens,
         "prefill_tps": median(pre),
         "decode_tokens": o.decode_tokens,
-        "decode_tps": median(dec),
+        "decode_tps": decode_tps,
         "weight_bytes": weight_bytes,
+        "streamed_bytes_per_token": streamed,
+        // Weights read per second while decoding (KV and activations not counted).
+        "decode_weight_gbps": streamed as f64 * decode_tps / 1e9,
     }))
 }
 
@@ -103,6 +120,24 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     } else {
         None
     };
+    #[cfg(feature = "cuda")]
+    let cuda = if o.backends.iter().any(|b| b == "cuda") {
+        let c = tern::backend::cuda::CudaBackend::new()?;
+        eprintln!("{}", c.dev.describe());
+        // The roofline of a decode step: what the device copies per second, read plus write,
+        // measured now (1 GiB moved per repetition).
+        let copy_gbps = c.dev.copy_bandwidth(512 << 20, 20);
+        eprintln!("cuda device-to-device copy: {copy_gbps:.1} GB/s");
+        Some((c, copy_gbps))
+    } else {
+        None
+    };
+    #[cfg(not(feature = "cuda"))]
+    if o.backends.iter().any(|b| b == "cuda") {
+        bail!(
+            "this xtask was built without CUDA: run `cargo run --release -p xtask --features cuda -- bench --backend cuda ...`"
+        );
+    }
     let script = root.join("xtask/py/bench_llama.py");
     let mut rows = Vec::new();
     for f in &o.files {
@@ -121,6 +156,16 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             eprintln!("tern wgpu on {} ...", f.display());
             let mut r = bench_tern(g, f, o)?;
             r["adapter"] = json!(g.gpu.info.name);
+            t.push(r);
+        }
+        #[cfg(feature = "cuda")]
+        if let Some((c, copy_gbps)) = &cuda {
+            eprintln!("tern cuda on {} ...", f.display());
+            let mut r = bench_tern(c, f, o)?;
+            r["device"] = json!(c.dev.name);
+            r["copy_gbps"] = json!(copy_gbps);
+            r["decode_fraction_of_copy"] =
+                json!(r["decode_weight_gbps"].as_f64().unwrap_or(0.0) / copy_gbps);
             t.push(r);
         }
         // Stock llama.cpp has no PQ2_0/PTQ1_0 kernels: it can only run the other files.
@@ -142,8 +187,15 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     // Ratios are taken against llama.cpp on the Q8_0 file, the anchor of bench.md.
     let anchor = rows.iter().find_map(|r| r["llama"].as_object().cloned());
     println!(
-        "{:<28} {:>8} {:>14} {:>14} {:>10} {:>10}",
-        "file", "engine", "prefill t/s", "decode t/s", "pre ratio", "dec ratio"
+        "{:<28} {:>10} {:>14} {:>14} {:>10} {:>10} {:>12} {:>10}",
+        "file",
+        "engine",
+        "prefill t/s",
+        "decode t/s",
+        "pre ratio",
+        "dec ratio",
+        "decode GB/s",
+        "of copy"
     );
     for r in &rows {
         let mut runs: Vec<(String, &Value)> = r["tern"]
@@ -163,14 +215,22 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 ),
                 None => (f64::NAN, f64::NAN),
             };
+            let gbps = v["decode_weight_gbps"]
+                .as_f64()
+                .map_or("-".to_string(), |g| format!("{g:.2}"));
+            let of_copy = v["decode_fraction_of_copy"]
+                .as_f64()
+                .map_or("-".to_string(), |x| format!("{:.1}%", 100.0 * x));
             println!(
-                "{:<28} {:>10} {:>14.2} {:>14.2} {:>10.3} {:>10.3}",
+                "{:<28} {:>10} {:>14.2} {:>14.2} {:>10.3} {:>10.3} {:>12} {:>10}",
                 r["file"].as_str().unwrap(),
                 eng,
                 v["prefill_tps"].as_f64().unwrap(),
                 v["decode_tps"].as_f64().unwrap(),
                 pr,
-                dr
+                dr,
+                gbps,
+                of_copy
             );
         }
     }
@@ -243,7 +303,7 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
     let prompt = prompt(64);
     let mut rows = Vec::new();
     println!(
-        "{:<8} {:>7} {:>6} {:>8} {:>14} {:>12} {:>10} {:>10} {:>12}",
+        "{:<8} {:>7} {:>6} {:>8} {:>14} {:>12} {:>10} {:>10} {:>12} {:>12}",
         "backend",
         "streams",
         "V",
@@ -252,7 +312,8 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
         "accept",
         "prompt t/s",
         "KV MiB",
-        "recur. MiB"
+        "state MiB",
+        "compute MiB"
     );
     for parallel in [1usize, 3] {
         for v in [GgmlType::F16, GgmlType::Q8_0] {
@@ -274,7 +335,9 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                         v: GgmlType::F16,
                     },
                 };
-                let run = |e: &Engine| -> Result<(f64, f64, f64, u64, u64)> {
+                // Memory: what boot allocated (the boot ledger): KV = trunk + draft caches,
+                // state = recurrent copies + prompt checkpoints, compute = the warm-up's peak.
+                let run = |e: &Engine| -> Result<(f64, f64, f64, u64, u64, u64)> {
                     let t0 = Instant::now();
                     let hs: Vec<_> = (0..parallel)
                         .map(|_| {
@@ -302,15 +365,17 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                     // The worker publishes its counters right after the step that finished.
                     std::thread::sleep(std::time::Duration::from_millis(100));
                     let m = e.metrics();
+                    let a = &e.allocated;
                     Ok((
                         n as f64 / decode_s.max(1e-9),
                         m.spec.acceptance_rate(),
                         prompt_tps,
-                        m.kv_bytes,
-                        m.recurrent_bytes,
+                        a.kv + a.draft_kv,
+                        a.recurrent + a.checkpoint,
+                        a.compute.unwrap_or(0),
                     ))
                 };
-                let (tps, acc, ptps, kvb, rcb) = match backend {
+                let (tps, acc, ptps, kvb, rcb, cb) = match backend {
                     "wgpu" => {
                         let be = tern::backend::wgpu::WgpuBackend::new()?;
                         let m = Model::load(&be, g.clone())?;
@@ -324,7 +389,7 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                 };
                 let mib = |b: u64| b as f64 / (1 << 20) as f64;
                 println!(
-                    "{:<8} {:>7} {:>6} {:>8} {:>14.2} {:>12} {:>10.1} {:>10.2} {:>12.2}",
+                    "{:<8} {:>7} {:>6} {:>8} {:>14.2} {:>12} {:>10.1} {:>10.2} {:>12.2} {:>12.2}",
                     backend,
                     parallel,
                     v.name(),
@@ -337,11 +402,12 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                     },
                     ptps,
                     mib(kvb),
-                    mib(rcb)
+                    mib(rcb),
+                    mib(cb)
                 );
                 rows.push(json!({"backend": backend, "streams": parallel, "cache_v": v.name(), "drafting": spec,
                     "decode_tps_aggregate": tps, "acceptance": acc, "prompt_tps": ptps,
-                    "kv_bytes_allocated": kvb, "recurrent_bytes_allocated": rcb}));
+                    "kv_bytes_allocated": kvb, "state_bytes_allocated": rcb, "compute_bytes_allocated": cb}));
             }
         }
     }

@@ -1,0 +1,34 @@
+// y[r] = x[r] * w / sqrt(mean(x[r]^2) + eps) (port of shaders/rms_norm.wgsl): one block of 256
+// threads per row, the sum of squares reduced through shared memory.
+#include "common.cuh"
+
+#define WG 256u
+
+extern "C" __global__ void __launch_bounds__(256)
+    rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
+             u32 rows, u32 cols, float eps) {
+    __shared__ float partial[WG];
+    const u32 r = blockIdx.x;
+    const u32 lid = threadIdx.x;
+    if (r >= rows) {
+        return;
+    }
+    const u64 base = (u64)r * cols;
+    float s = 0.0f;
+    for (u32 i = lid; i < cols; i += WG) {
+        const float v = x[base + i];
+        s += v * v;
+    }
+    partial[lid] = s;
+    __syncthreads();
+    for (u32 stride = WG / 2u; stride > 0u; stride /= 2u) {
+        if (lid < stride) {
+            partial[lid] += partial[lid + stride];
+        }
+        __syncthreads();
+    }
+    const float scale = 1.0f / sqrtf(partial[0] / (float)cols + eps);
+    for (u32 i = lid; i < cols; i += WG) {
+        y[base + i] = x[base + i] * scale * w[i];
+    }
+}
