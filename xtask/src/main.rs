@@ -4,6 +4,7 @@ mod bench;
 mod fixtures;
 mod fold;
 mod rng;
+mod train_demo;
 mod vocab;
 
 use std::path::PathBuf;
@@ -16,11 +17,21 @@ const USAGE: &str = "usage: cargo xtask <task>
   goldens               run stock llama.cpp (llama-cpp-python) and the NumPy reference on the
                         fixtures, writing fixtures/golden/ (needs TERN_PYTHON or python3 with
                         llama-cpp-python==0.3.36, gguf, numpy)
-  bench [--backend cpu,wgpu] [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
-                        tern vs stock llama.cpp on the bench files (default: fixtures/bench/*)
+  bench [--backend cpu,wgpu,cuda] [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
+                        tern vs stock llama.cpp on the bench files (default: fixtures/bench/*);
+                        GB/s of weights streamed per decoded token, and on cuda against the
+                        device's copy bandwidth measured in the same run (cuda needs
+                        `cargo run --release -p xtask --features cuda -- bench ...`)
   bench --kernels       single-thread dot_row throughput per weight type
   bench --engine [--wgpu] [FILE]
-                        the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on";
+                        the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on
+  train-demo [--no-train] [--steps N] [--no-llama] [--work DIR]
+                        train the bundled demo model (PyTorch: TERN_TRAIN_PYTHON, default
+                        python3, with torch, tokenizers, gguf, matplotlib), write
+                        fixtures/demo/demo-{f16,q8_0,pq2_0}.gguf, evaluate them with tern and
+                        record llama.cpp's greedy continuations (TERN_PYTHON); --no-train
+                        re-exports and re-evaluates the last run in --work
+                        (default target/demo-train)";
 
 /// The Python that has llama-cpp-python: $TERN_PYTHON, else python3 on the PATH.
 fn python() -> String {
@@ -34,7 +45,12 @@ fn workspace_root() -> PathBuf {
         .to_path_buf()
 }
 
+// The engine's boot ledger measures the CPU backend's compute on the heap.
+#[global_allocator]
+static HEAP: tern::alloc::Counting = tern::alloc::Counting;
+
 fn main() -> Result<()> {
+    HEAP.mark_installed();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("fixtures") => {
@@ -113,7 +129,7 @@ fn main() -> Result<()> {
                     "--runs" => o.runs = num(it.next(), "--runs")?,
                     "--backend" => match it.next() {
                         Some(list) => o.backends = list.split(',').map(str::to_string).collect(),
-                        None => bail!("--backend needs cpu, wgpu or cpu,wgpu\n{USAGE}"),
+                        None => bail!("--backend needs a list of cpu, wgpu, cuda\n{USAGE}"),
                     },
                     f if !f.starts_with("--") => o.files.push(PathBuf::from(f)),
                     other => bail!("unknown option {other}\n{USAGE}"),
@@ -127,6 +143,35 @@ fn main() -> Result<()> {
                     .collect();
             }
             bench::run(&root, &o)
+        }
+        Some("train-demo") => {
+            let root = workspace_root();
+            let mut o = train_demo::Options {
+                train: true,
+                steps: None,
+                llama: true,
+                work: root.join("target/demo-train"),
+                train_python: std::env::var("TERN_TRAIN_PYTHON")
+                    .unwrap_or_else(|_| "python3".to_string()),
+                llama_python: python(),
+            };
+            let mut it = args[1..].iter();
+            while let Some(a) = it.next() {
+                match a.as_str() {
+                    "--no-train" => o.train = false,
+                    "--no-llama" => o.llama = false,
+                    "--steps" => match it.next().map(|s| s.parse::<usize>()) {
+                        Some(Ok(n)) if n > 0 => o.steps = Some(n),
+                        _ => bail!("--steps needs a positive number\n{USAGE}"),
+                    },
+                    "--work" => match it.next() {
+                        Some(d) => o.work = PathBuf::from(d),
+                        None => bail!("--work needs a directory\n{USAGE}"),
+                    },
+                    other => bail!("unknown option {other}\n{USAGE}"),
+                }
+            }
+            train_demo::run(&root, &o)
         }
         _ => {
             eprintln!("{USAGE}");
