@@ -38,6 +38,7 @@ fn batched_equals_separate<B: Backend>(be: &B) {
                 seq,
                 tokens,
                 all_rows: true,
+                hidden_rows: false,
                 snapshot: false,
             })
             .collect();
@@ -50,6 +51,7 @@ fn batched_equals_separate<B: Backend>(be: &B) {
                 seq,
                 tokens,
                 all_rows: false,
+                hidden_rows: false,
                 snapshot: false,
             })
             .collect();

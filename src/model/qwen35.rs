@@ -30,7 +30,11 @@ impl<B: Backend> SeqState<B> {
     }
 
     /// Allocates every attention cache for `positions` positions now (the slot's window).
-    pub fn reserve(&mut self, be: &B, positions: usize) -> Result<(), crate::backend::BackendError> {
+    pub fn reserve(
+        &mut self,
+        be: &B,
+        positions: usize,
+    ) -> Result<(), crate::backend::BackendError> {
         for kv in self.kv.iter_mut().flatten() {
             be.kv_reserve(kv, positions)?;
         }
@@ -53,6 +57,9 @@ pub struct BatchItem<'s, B: Backend> {
     pub seq: &'s mut SeqState<B>,
     pub tokens: &'s [u32],
     pub all_rows: bool,
+    /// h for every row but logits for the last only: a prompt whose rows feed the MTP head
+    /// (its `[rows, n_vocab]` logits would be computed for nothing).
+    pub hidden_rows: bool,
     /// Keep the recurrent state after every row in `seq.cells` (speculative verify), so a
     /// rejected suffix rolls back without recomputation.
     pub snapshot: bool,
@@ -167,6 +174,7 @@ impl<B: Backend> Model<B> {
             seq: st,
             tokens,
             all_rows,
+            hidden_rows: false,
             snapshot: false,
         }];
         Ok(self
@@ -310,22 +318,30 @@ impl<B: Backend> Model<B> {
             be.add_assign(&mut x, &a);
             self.ffn(be, layer, &mut x);
         }
-        // The rows each sequence wants logits for, gathered into one output matmul.
+        // The rows each sequence wants h for, gathered into one norm and one output matmul.
         let mut picked = Vec::with_capacity(items.len());
         let mut counts = Vec::with_capacity(items.len());
+        let mut logit_rows = Vec::with_capacity(items.len());
         for (i, it) in items.iter_mut().enumerate() {
             let n = it.tokens.len();
             it.seq.pos += n;
-            let (start, count) = if it.all_rows {
+            let every = it.all_rows || it.hidden_rows;
+            let (start, count) = if every {
                 (offsets[i], n)
             } else {
                 (offsets[i] + n - 1, 1)
             };
             counts.push(count);
-            if !(single && it.all_rows) {
+            logit_rows.push(if it.hidden_rows && !it.all_rows {
+                1
+            } else {
+                count
+            });
+            if !(single && every) {
                 picked.push(be.rows(&x, start, count));
             }
         }
+        let trimmed = logit_rows != counts;
         let x = if picked.is_empty() {
             x
         } else if picked.len() == 1 {
@@ -334,18 +350,35 @@ impl<B: Backend> Model<B> {
             be.concat_rows(&picked.iter().collect::<Vec<_>>())
         };
         let h = be.rms_norm(&x, &self.w.output_norm, eps);
-        let logits = be.matmul(&self.w.output, &h);
+        // The logits rows: the h rows, less the prompt rows wanted for h alone.
+        let logits = if trimmed {
+            let mut parts = Vec::with_capacity(counts.len());
+            let mut at = 0;
+            for (&c, &l) in counts.iter().zip(&logit_rows) {
+                parts.push(be.rows(&h, at + c - l, l));
+                at += c;
+            }
+            let hl = if parts.len() == 1 {
+                parts.pop().unwrap()
+            } else {
+                be.concat_rows(&parts.iter().collect::<Vec<_>>())
+            };
+            be.matmul(&self.w.output, &hl)
+        } else {
+            be.matmul(&self.w.output, &h)
+        };
         if single {
             return Ok(vec![Output { logits, h }]);
         }
         let mut outs = Vec::with_capacity(items.len());
-        let mut at = 0;
-        for c in counts {
+        let (mut at, mut at_l) = (0, 0);
+        for (c, l) in counts.into_iter().zip(logit_rows) {
             outs.push(Output {
-                logits: be.rows(&logits, at, c),
+                logits: be.rows(&logits, at_l, l),
                 h: be.rows(&h, at, c),
             });
             at += c;
+            at_l += l;
         }
         Ok(outs)
     }
@@ -361,6 +394,39 @@ impl<B: Backend> Model<B> {
         h_prev: &B::T,
     ) -> Result<Output<B::T>, ModelError> {
         let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
+        let c = self.mtp_block(be, st, tokens, h_prev)?;
+        let eps = self.cfg.eps;
+        let h = be.rms_norm(
+            &c,
+            mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),
+            eps,
+        );
+        let logits = be.matmul(mtp.head.as_ref().unwrap_or(&self.w.output), &h);
+        Ok(Output { logits, h })
+    }
+
+    /// The MTP block over `tokens` for its cache alone (prompt rows and accepted rows): the
+    /// head's logits, a `[rows, n_vocab]` product nobody reads there, are not computed.
+    pub fn mtp_fill(
+        &self,
+        be: &B,
+        st: &mut MtpState<B>,
+        tokens: &[u32],
+        h_prev: &B::T,
+    ) -> Result<(), ModelError> {
+        self.mtp_block(be, st, tokens, h_prev).map(|_| ())
+    }
+
+    /// Embedding ‖ hidden → eh_proj → one attention block, appending to the MTP cache;
+    /// returns the block's output rows (before the head's norm).
+    fn mtp_block(
+        &self,
+        be: &B,
+        st: &mut MtpState<B>,
+        tokens: &[u32],
+        h_prev: &B::T,
+    ) -> Result<B::T, ModelError> {
+        let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
         self.check_tokens(tokens)?;
         let eps = self.cfg.eps;
         let emb = be.embed(mtp.embed.as_ref().unwrap_or(&self.w.token_embd), tokens);
@@ -372,12 +438,6 @@ impl<B: Backend> Model<B> {
         be.add_assign(&mut c, &a);
         self.ffn(be, &mtp.layer, &mut c);
         st.pos += tokens.len();
-        let h = be.rms_norm(
-            &c,
-            mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),
-            eps,
-        );
-        let logits = be.matmul(mtp.head.as_ref().unwrap_or(&self.w.output), &h);
-        Ok(Output { logits, h })
+        Ok(c)
     }
 }

@@ -557,11 +557,12 @@ impl<B: Backend> Worker<B> {
                 .enumerate()
                 .map(|(i, s)| {
                     let tokens: &[u32] = if i == 0 { &first } else { &verify };
-                    let all_rows = i > 0 || s.dec.wants_rows();
+                    let wants = s.dec.wants_rows();
                     BatchItem {
                         seq: &mut s.dec.seq,
                         tokens,
-                        all_rows,
+                        all_rows: i > 0,
+                        hidden_rows: i == 0 && wants,
                         snapshot: i > 0 && tokens.len() > 1,
                     }
                 })
@@ -894,7 +895,10 @@ impl<B: Backend> Worker<B> {
                 .map(|(i, toks, rows, prefill)| BatchItem {
                     seq: seqs[*i].take().unwrap(),
                     tokens: toks,
-                    all_rows: *rows,
+                    // A prompt chunk feeding the MTP head wants h of every row, logits of
+                    // the last; a verify batch wants both of every row.
+                    all_rows: *rows && !*prefill,
+                    hidden_rows: *rows && *prefill,
                     // A verify batch with drafts keeps per-row rollback cells.
                     snapshot: !*prefill && toks.len() > 1,
                 })
@@ -944,8 +948,7 @@ impl<B: Backend> Worker<B> {
                 }
                 s.ckpt.pos = Some(s.tokens.len());
                 s.ckpt.pending_h = s.dec.mtp.as_ref().map(|m| self.be.rows(&m.pending_h, 0, 1));
-                let n = if *rows { toks.len() } else { 1 };
-                let id = s.dec.sample_row(&self.be, &out.logits, n - 1, n);
+                let id = s.dec.sample_row(&self.be, &out.logits, 0, 1);
                 s.dec.last = Some(id);
                 emitted.push((i, vec![id]));
             } else {

@@ -157,7 +157,7 @@ impl<B: Backend> SlotDecoder<B> {
         } else {
             be.concat_rows(&[&m.pending_h, &be.rows(h, 0, n - 1)])
         };
-        model.mtp_forward(be, &mut m.state, tokens, &hp)?;
+        model.mtp_fill(be, &mut m.state, tokens, &hp)?;
         m.pending_h = be.rows(h, n - 1, 1);
         Ok(())
     }
@@ -214,7 +214,8 @@ impl<B: Backend> SlotDecoder<B> {
         batch.extend_from_slice(drafts);
         let armed = self.seq.cells.iter().map(Vec::len).max().unwrap_or(0);
         if !drafts.is_empty() && armed < drafts.len() {
-            self.seq.arm_cells(be, &model.cfg.gdn_params(), drafts.len());
+            self.seq
+                .arm_cells(be, &model.cfg.gdn_params(), drafts.len());
         }
         batch
     }
@@ -309,13 +310,22 @@ impl<'a, B: Backend> Generator<'a, B> {
 
     /// Runs the prompt and samples the first token.
     pub fn prefill(&mut self, prompt: &[u32]) -> Result<u32, ModelError> {
-        let rows = self.slot.wants_rows();
+        // The MTP head reads h of every prompt row; only the last row's logits are sampled.
+        let hidden_rows = self.slot.wants_rows();
+        let mut items = [BatchItem {
+            seq: &mut self.slot.seq,
+            tokens: prompt,
+            all_rows: false,
+            hidden_rows,
+            snapshot: false,
+        }];
         let out = self
             .model
-            .forward(self.be, &mut self.slot.seq, prompt, rows)?;
+            .forward_batch(self.be, &mut items)?
+            .pop()
+            .expect("one output");
         self.slot.mtp_process(self.model, self.be, prompt, &out.h)?;
-        let n = if rows { prompt.len() } else { 1 };
-        let id = self.slot.sample_row(self.be, &out.logits, n - 1, n);
+        let id = self.slot.sample_row(self.be, &out.logits, 0, 1);
         self.slot.last = Some(id);
         Ok(id)
     }
@@ -346,6 +356,7 @@ impl<'a, B: Backend> Generator<'a, B> {
             seq: &mut self.slot.seq,
             tokens: &batch,
             all_rows: rows,
+            hidden_rows: false,
             snapshot: !drafts.is_empty(),
         }];
         let out = self
