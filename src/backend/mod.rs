@@ -79,6 +79,19 @@ impl WeightSource {
         rows == 1 || self.info.dims.len() == 1 || (ne0 * rows <= 1 << 16 && ne0 <= 8)
     }
 
+    /// The lengths of the ±1 sign vectors the weight's Hadamard rules use at its input width
+    /// (fold, then inverse), which a GPU backend uploads beside it.
+    pub fn sign_vectors(&self) -> Vec<usize> {
+        let ne0 = self.shape2().0;
+        self.fold
+            .as_ref()
+            .map(|f| &f.hadamard)
+            .into_iter()
+            .chain(self.inverse.as_ref())
+            .filter_map(|h| h.signs(ne0).map(<[f32]>::len))
+            .collect()
+    }
+
     /// (ne0, rows): input width and output count of a matrix.
     pub fn shape2(&self) -> (usize, usize) {
         (self.info.ne0() as usize, self.info.n_rows() as usize)

@@ -288,16 +288,8 @@ fn cuda_rule(w: &WeightSource) -> WeightBytes {
     } else {
         exact(w.info.nbytes)
     };
-    let rules = w
-        .fold
-        .as_ref()
-        .map(|f| &f.hadamard)
-        .into_iter()
-        .chain(w.inverse.as_ref());
-    for h in rules {
-        if let Some(s) = h.signs(ne0) {
-            owned = owned.saturating_add(exact(s.len() as u64 * 4));
-        }
+    for n in w.sign_vectors() {
+        owned = owned.saturating_add(exact(n as u64 * 4));
     }
     WeightBytes {
         tensor: w.info.name.clone(),

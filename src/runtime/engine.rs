@@ -496,33 +496,7 @@ impl<B: Backend> Worker<B> {
             weights: weights.total(),
             ..Default::default()
         };
-        for s in &self.slots {
-            a.kv += s
-                .dec
-                .seq
-                .kv
-                .iter()
-                .flatten()
-                .map(|k| be.kv_bytes(k))
-                .sum::<u64>();
-            a.draft_kv += s.dec.mtp.as_ref().map_or(0, |m| be.kv_bytes(&m.state.kv));
-            a.recurrent += s
-                .dec
-                .seq
-                .rs
-                .iter()
-                .flatten()
-                .chain(s.dec.seq.cells.iter().flatten())
-                .map(|r| be.recurrent_bytes(r))
-                .sum::<u64>();
-            a.checkpoint += s
-                .ckpt
-                .rs
-                .iter()
-                .flatten()
-                .map(|r| be.recurrent_bytes(r))
-                .sum::<u64>();
-        }
+        (a.kv, a.draft_kv, a.recurrent, a.checkpoint) = self.holdings();
         let heap = crate::alloc::mark();
         self.warm_up()?;
         let be = &self.be;
@@ -650,10 +624,22 @@ impl<B: Backend> Worker<B> {
             .iter()
             .map(|s| (s.task.is_some(), s.tokens.len()))
             .collect();
+        let (kv, draft_kv, rec, ckpt) = self.holdings();
+        m.kv_bytes = kv + draft_kv;
+        m.recurrent_bytes = rec;
+        m.checkpoint_bytes = ckpt;
+    }
+
+    /// Bytes the slots hold, as the backend allocated them: (trunk KV, MTP KV, recurrent
+    /// states with their rollback cells, prompt checkpoints).
+    fn holdings(&self) -> (u64, u64, u64, u64) {
         let be = &self.be;
-        let (mut kv, mut rec, mut ckpt) = (0u64, 0u64, 0u64);
+        let states = |rs: &mut dyn Iterator<Item = &B::Rs>| -> u64 {
+            rs.map(|r| be.recurrent_bytes(r)).sum()
+        };
+        let mut t = (0u64, 0u64, 0u64, 0u64);
         for s in &self.slots {
-            kv += s
+            t.0 += s
                 .dec
                 .seq
                 .kv
@@ -661,34 +647,19 @@ impl<B: Backend> Worker<B> {
                 .flatten()
                 .map(|k| be.kv_bytes(k))
                 .sum::<u64>();
-            kv += s.dec.mtp.as_ref().map_or(0, |m| be.kv_bytes(&m.state.kv));
-            rec += s
-                .dec
-                .seq
-                .rs
-                .iter()
-                .flatten()
-                .map(|r| be.recurrent_bytes(r))
-                .sum::<u64>();
-            rec += s
-                .dec
-                .seq
-                .cells
-                .iter()
-                .flatten()
-                .map(|r| be.recurrent_bytes(r))
-                .sum::<u64>();
-            ckpt += s
-                .ckpt
-                .rs
-                .iter()
-                .flatten()
-                .map(|r| be.recurrent_bytes(r))
-                .sum::<u64>();
+            t.1 += s.dec.mtp.as_ref().map_or(0, |m| be.kv_bytes(&m.state.kv));
+            t.2 += states(
+                &mut s
+                    .dec
+                    .seq
+                    .rs
+                    .iter()
+                    .flatten()
+                    .chain(s.dec.seq.cells.iter().flatten()),
+            );
+            t.3 += states(&mut s.ckpt.rs.iter().flatten());
         }
-        m.kv_bytes = kv;
-        m.recurrent_bytes = rec;
-        m.checkpoint_bytes = ckpt;
+        t
     }
 
     fn reset_slot(&mut self, i: usize) {

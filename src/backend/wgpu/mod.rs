@@ -136,16 +136,8 @@ pub fn planned_weight_bytes(w: &WeightSource, binding_limit: u64) -> crate::back
             .saturating_mul(part(per_part))
             .saturating_add(if rest > 0 { part(rest) } else { 0 })
     };
-    let rules = w
-        .fold
-        .as_ref()
-        .map(|f| &f.hadamard)
-        .into_iter()
-        .chain(w.inverse.as_ref());
-    for h in rules {
-        if let Some(s) = h.signs(ne0) {
-            owned = owned.saturating_add(padded(s.len() as u64 * 4));
-        }
+    for n in w.sign_vectors() {
+        owned = owned.saturating_add(padded(n as u64 * 4));
     }
     crate::backend::WeightBytes {
         tensor: w.info.name.clone(),
