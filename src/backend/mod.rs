@@ -92,6 +92,19 @@ impl WeightSource {
             .collect()
     }
 
+    /// The weight decoded to f32 (what `decode_once` weights are kept as).
+    pub fn decoded(&self) -> Result<Vec<f32>, BackendError> {
+        let (ne0, rows) = self.shape2();
+        let mut out = vec![0f32; ne0 * rows];
+        crate::quant::dequantize_row(self.info.ty, self.bytes(), &mut out).map_err(|e| {
+            BackendError::BadWeight {
+                name: self.info.name.clone(),
+                what: e.to_string(),
+            }
+        })?;
+        Ok(out)
+    }
+
     /// (ne0, rows): input width and output count of a matrix.
     pub fn shape2(&self) -> (usize, usize) {
         (self.info.ne0() as usize, self.info.n_rows() as usize)

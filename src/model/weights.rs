@@ -312,7 +312,10 @@ impl<W> Weights<W> {
         // A header that declares an MTP block whose tensors are absent loads as a model without
         // one (drafting on it is refused by name: PlanError::MtpTensorsMissing).
         let mtp_prefix = format!("blk.{}.nextn.", cfg.n_layer);
-        let mtp_present = file.tensors().iter().any(|t| t.name.starts_with(&mtp_prefix));
+        let mtp_present = file
+            .tensors()
+            .iter()
+            .any(|t| t.name.starts_with(&mtp_prefix));
         let mtp = if cfg.has_mtp() && mtp_present {
             let il = cfg.n_layer;
             let n = |s: &str| format!("blk.{il}.nextn.{s}");

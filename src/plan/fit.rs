@@ -151,7 +151,13 @@ fn needed(g: &Arc<Gguf>, cfg: &Config, s: &Shape, budget: &Budget) -> Option<(u6
     Some((v.needed, v.fits))
 }
 
-fn suggest(g: &Arc<Gguf>, cfg: &Config, shape: &Shape, budget: &Budget, before: u64) -> Vec<Suggestion> {
+fn suggest(
+    g: &Arc<Gguf>,
+    cfg: &Config,
+    shape: &Shape,
+    budget: &Budget,
+    before: u64,
+) -> Vec<Suggestion> {
     let slot = shape.n_ctx_slot();
     let mut cands: Vec<(String, String, Shape)> = Vec::new();
 

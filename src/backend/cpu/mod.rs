@@ -337,14 +337,7 @@ impl Backend for CpuBackend {
         let (ne0, rows) = w.shape2();
         let row_bytes = w.info.row_bytes() as usize;
         let dense = if w.decode_once() {
-            let mut out = vec![0f32; ne0 * rows];
-            quant::dequantize_row(ty, w.bytes(), &mut out).map_err(|e| {
-                BackendError::BadWeight {
-                    name: w.info.name.clone(),
-                    what: e.to_string(),
-                }
-            })?;
-            Some(out)
+            Some(w.decoded()?)
         } else {
             None
         };

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use super::{
     AttnParams, Backend, BackendError, GdnParams, GdnWeights, KvTypes, WeightBytes, WeightSource,
 };
-use crate::quant::{self, hadamard::GdnPermutation};
+use crate::quant::hadamard::GdnPermutation;
 use crate::tensor::GgmlType;
 pub use device::{Arg, DBuf, Device, PBuf};
 
@@ -153,18 +153,8 @@ impl Backend for CudaBackend {
 
     fn upload(&self, w: &WeightSource) -> Result<Weight, BackendError> {
         let ty = w.info.ty;
-        let supported = matches!(
-            ty,
-            GgmlType::F32
-                | GgmlType::F16
-                | GgmlType::BF16
-                | GgmlType::Q8_0
-                | GgmlType::Q4_0
-                | GgmlType::PQ2_0
-                | GgmlType::Q2_0Legacy
-                | GgmlType::PTQ1_0
-        );
-        if !supported {
+        // The kernels decode every type tern computes with.
+        if !ty.can_compute() {
             return Err(BackendError::UnsupportedType {
                 name: w.info.name.clone(),
                 ty,
@@ -186,11 +176,7 @@ impl Backend for CudaBackend {
             inverse: None,
         };
         if w.decode_once() {
-            let mut f = vec![0f32; ne0 * rows];
-            quant::dequantize_row(ty, bytes, &mut f).map_err(|e| BackendError::BadWeight {
-                name: w.info.name.clone(),
-                what: e.to_string(),
-            })?;
+            let f = w.decoded()?;
             out.dense = Some(self.dev.upload_exact(bytemuck::cast_slice(&f))?);
         } else {
             out.data = Some(self.dev.upload_exact(bytes)?);
