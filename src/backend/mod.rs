@@ -9,6 +9,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod gpu_plan;
 pub mod pick;
 pub mod wgpu;
 

@@ -17,6 +17,7 @@ use super::basic::{new_tensor, run, u32_of};
 use super::device::{blocks, Arg};
 use super::kernels::{weight_suffix, ModuleKey};
 use super::{CudaBackend, CudaFold, Tensor, Weight};
+use crate::backend::gpu_plan::FoldPlan;
 use crate::tensor::GgmlType;
 
 /// Token rows up to which `matmul` runs the matvec kernel (its token group size): one pass over
@@ -24,7 +25,6 @@ use crate::tensor::GgmlType;
 pub const MATVEC_MAX_TOKENS: usize = 4;
 
 /// Elements one `fwht.cu` block transforms in shared memory.
-const FWHT_CHUNK: usize = 1024;
 /// Warps (output rows) per `matmul_vec` block.
 const VEC_WARPS: usize = 4;
 
@@ -94,45 +94,16 @@ pub fn matmul(be: &CudaBackend, w: &Weight, x: &Tensor) -> Tensor {
 /// permutation, ⊙ s, blockwise FWHT) or, with `inverse`, the inverse rule (blockwise FWHT, ⊙ s).
 pub fn fold_input(be: &CudaBackend, x: &Tensor, f: &CudaFold, inverse: bool) -> Tensor {
     let width = x.cols;
-    assert!(
-        f.block.is_power_of_two() && width.is_multiple_of(f.block),
-        "Hadamard fold: width {width} is not a multiple of the block {}",
-        f.block
-    );
+    let plan = FoldPlan::new(f.block, width, f.perm, f.signs.is_some(), inverse);
     let y = new_tensor(be, x.rows, width);
     if x.is_empty() {
         return y;
     }
-    let perm = if inverse {
-        None
-    } else {
-        f.perm.filter(|p| !p.is_identity())
-    };
-    if let Some(p) = &perm {
-        assert_eq!(p.len(), width, "GDN permutation: length");
-    }
-    let chunk = f.block.min(FWHT_CHUNK);
-    let whole = f.block <= FWHT_CHUNK;
-    let mut flags = 0u32;
-    if perm.is_some() {
-        flags |= 1;
-    }
-    if f.signs.is_some() {
-        flags |= match (inverse, whole) {
-            (false, _) => 2,
-            (true, true) => 4,
-            // Applied by the last global stage below.
-            (true, false) => 0,
-        };
-    }
-    let (hd, nk, rep) = perm.map_or((1, 1, 1), |p| (p.hd, p.nk, p.rep));
-    // Exactly the CPU's scale (hadamard::fwht_normalized).
-    let scale = 1.0 / (f.block as f32).sqrt();
     let signs = f.signs.as_ref().map_or(0, |s| s.ptr());
     run(
         be,
         "fwht",
-        (u32_of(x.rows * (width / chunk), "block count"), 1, 1),
+        (u32_of(x.rows * (width / plan.chunk), "block count"), 1, 1),
         256,
         &[
             Arg::P(x.ptr()),
@@ -140,22 +111,15 @@ pub fn fold_input(be: &CudaBackend, x: &Tensor, f: &CudaFold, inverse: bool) -> 
             Arg::P(y.ptr()),
             Arg::U(u32_of(x.rows, "rows")),
             Arg::U(u32_of(width, "width")),
-            Arg::U(chunk as u32),
-            Arg::F(scale),
-            Arg::U(flags),
-            Arg::U(hd as u32),
-            Arg::U(nk as u32),
-            Arg::U(rep as u32),
+            Arg::U(plan.chunk as u32),
+            Arg::F(plan.scale),
+            Arg::U(plan.flags),
+            Arg::U(plan.hd as u32),
+            Arg::U(plan.nk as u32),
+            Arg::U(plan.rep as u32),
         ],
     );
-    let mut len = chunk;
-    while len < f.block {
-        let last = 2 * len == f.block;
-        let flags = if last && inverse && f.signs.is_some() {
-            4
-        } else {
-            0
-        };
+    for (len, flags) in plan.stages() {
         run(
             be,
             "fwht_stage",
@@ -170,7 +134,6 @@ pub fn fold_input(be: &CudaBackend, x: &Tensor, f: &CudaFold, inverse: bool) -> 
                 Arg::U(flags),
             ],
         );
-        len *= 2;
     }
     y
 }

@@ -30,23 +30,11 @@ const ATTN_COMBINE: &str = include_str!("../../../shaders/attn_combine.wgsl");
 const ARGMAX: &str = include_str!("../../../shaders/argmax.wgsl");
 const TOPK: &str = include_str!("../../../shaders/topk.wgsl");
 
-/// Largest head_dim the kernels hold in workgroup memory (`MAX_HD` in the shaders).
-const MAX_HD: usize = 512;
-/// Positions scored per tile in `attn_split` (its workgroup size); chunks are multiples of it.
-const TILE: usize = 64;
-/// Workgroups `attn_split` aims for before it stops splitting the positions.
-const TARGET_GROUPS: usize = 512;
-/// Most query vectors per `attn_split` workgroup, and most query elements (`MAX_Q`).
-const MAX_R: usize = 8;
-const MAX_Q: usize = 2048;
-/// Most chunks per (row, head) (`MAX_CHUNKS` in attn_combine).
-const MAX_CHUNKS: usize = 256;
-/// Positions a new cache holds before it first grows.
-const INITIAL_CAPACITY: usize = 256;
-/// Largest k of `topk_rows` (`KMAX` in topk.wgsl).
-pub const TOPK_MAX: usize = 64;
-/// Items one top-k invocation scans per pass.
-const TOPK_SEGMENT: usize = 1024;
+pub use crate::backend::gpu_plan::TOPK_MAX;
+use crate::backend::gpu_plan::{
+    check_attention, check_kv, kv_row_words as row_words, plan_chunks, INITIAL_CAPACITY, MAX_Q,
+    MAX_R, TOPK_SEGMENT,
+};
 
 /// The shaders' dtype codes.
 fn type_code(ty: GgmlType) -> u32 {
@@ -111,10 +99,6 @@ impl Kv {
     }
 }
 
-fn row_words(ty: GgmlType, width: usize) -> usize {
-    (ty.row_bytes(width as u64).expect("whole blocks") as usize).div_ceil(4)
-}
-
 /// Most positions a cache can hold: one binding of K or V must fit the adapter's limit.
 fn max_capacity(be: &WgpuBackend, kv: &Kv) -> usize {
     let l = &be.gpu.limits;
@@ -134,32 +118,7 @@ fn alloc_rows(be: &WgpuBackend, row_words: usize, capacity: usize) -> wgpu::Buff
 }
 
 pub fn new_kv(be: &WgpuBackend, p: &AttnParams, types: KvTypes) -> Result<Kv, BackendError> {
-    types.check()?;
-    let bad = |what: String| BackendError::BadWeight {
-        name: "KV cache".into(),
-        what,
-    };
-    let hd = p.head_dim;
-    let width = p.n_head_kv * hd;
-    for t in [types.k, types.v] {
-        // The kernels read whole blocks (and whole f16 pairs) per head, so rows are whole
-        // blocks too.
-        if !hd.is_multiple_of(t.block_size()) || !hd.is_multiple_of(2) {
-            return Err(bad(format!("head_dim {hd} does not hold whole {t} blocks")));
-        }
-    }
-    if hd == 0 || hd > MAX_HD || p.n_rot > hd || !p.n_rot.is_multiple_of(2) {
-        return Err(bad(format!(
-            "head_dim {hd} / n_rot {} outside the kernels' range (even, head_dim <= {MAX_HD})",
-            p.n_rot
-        )));
-    }
-    if p.n_head_kv == 0 || !p.n_head.is_multiple_of(p.n_head_kv) {
-        return Err(bad(format!(
-            "{} query heads do not group over {} kv heads",
-            p.n_head, p.n_head_kv
-        )));
-    }
+    let width = check_kv(p, types)?;
     let (kw, vw) = (row_words(types.k, width), row_words(types.v, width));
     let capacity = INITIAL_CAPACITY;
     Ok(Kv {
@@ -252,14 +211,6 @@ fn store(be: &WgpuBackend, c: &KvBuf, capacity: usize, src: &Tensor, row0: usize
     );
 }
 
-/// (chunks, positions per chunk) for `tiles` query tiles over at most `n_ctx` positions.
-fn plan_chunks(tiles: usize, n_ctx: usize) -> (usize, usize) {
-    let want = TARGET_GROUPS.div_ceil(tiles);
-    let n = want.clamp(1, n_ctx.div_ceil(TILE)).min(MAX_CHUNKS);
-    let len = n_ctx.div_ceil(n).div_ceil(TILE) * TILE;
-    (n_ctx.div_ceil(len), len)
-}
-
 #[allow(clippy::too_many_arguments)]
 pub fn attention(
     be: &WgpuBackend,
@@ -275,17 +226,16 @@ pub fn attention(
     let hd = p.head_dim;
     let rows = qg.rows;
     let width = p.n_head_kv * hd;
-    assert_eq!(qg.cols, 2 * p.n_head * hd, "attention: qg width");
-    assert_eq!((k.rows, k.cols), (rows, width), "attention: k shape");
-    assert_eq!((v.rows, v.cols), (rows, width), "attention: v shape");
-    assert_eq!(kv.width, width, "attention: cache row width");
-    assert_eq!(
-        kv.len, pos0,
-        "attention: cache holds {} positions, batch starts at {pos0}",
-        kv.len
+    check_attention(
+        p,
+        (qg.rows, qg.cols),
+        (k.rows, k.cols),
+        (v.rows, v.cols),
+        kv.width,
+        kv.len,
+        pos0,
+        (q_norm.ne0 * q_norm.rows, k_norm.ne0 * k_norm.rows),
     );
-    assert_eq!(q_norm.ne0 * q_norm.rows, hd, "attention: q_norm width");
-    assert_eq!(k_norm.ne0 * k_norm.rows, hd, "attention: k_norm width");
     let out = new_tensor(be, rows, p.n_head * hd);
     if rows == 0 {
         return out;

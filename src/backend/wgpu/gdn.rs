@@ -30,8 +30,7 @@ const GATED_NORM: &str = include_str!("../../../shaders/gdn_gated_norm.wgsl");
 const D_LINE: &str = "const D: u32 = 128u;";
 /// Tokens per block of `gdn_conv`.
 const CONV_TB: usize = 16;
-/// Tokens per chunk of the chunked form.
-pub const CHUNK: usize = 64;
+pub use crate::backend::gpu_plan::GDN_CHUNK as CHUNK;
 /// State columns per workgroup in `gdn_step` and `gdn_chunk_scan`.
 const COL_BLOCK: usize = 16;
 /// Workgroup memory of `gdn_chunk_prep`: the C×C matrix A plus gamma and beta.
@@ -51,19 +50,7 @@ pub struct Recurrent {
     pub ssm_len: usize,
 }
 
-/// Which form of the recurrence `gdn_with` runs.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum GdnForm {
-    /// Chunked when there is more than one row and the geometry allows it, else recurrent.
-    Auto,
-    /// Token by token, any geometry.
-    Recurrent,
-    /// Chunks of 64 tokens; needs `d % 16 == 0` (see `chunked_supported`).
-    Chunked,
-    /// The chunked form with at most this many chunks per dispatch pair, the state carried
-    /// between them (long inputs are split this way to bound the scratch; tests force it).
-    ChunkedIn(usize),
-}
+pub use crate::backend::gpu_plan::GdnForm;
 
 fn zeros(be: &WgpuBackend, label: &str, n: usize) -> wgpu::Buffer {
     be.gpu.upload(label, &vec![0u8; n.max(1) * 4])
@@ -141,16 +128,14 @@ pub fn gdn_with(
 ) -> Tensor {
     let (cd, d, n_k, n_v) = (p.conv_dim(), p.d, p.n_k, p.n_v);
     let rows = mixed.rows;
-    assert_eq!(mixed.cols, cd, "gdn: mixed width");
-    assert_eq!((z.rows, z.cols), (rows, n_v * d), "gdn: z shape");
-    assert_eq!((b.rows, b.cols), (rows, n_v), "gdn: b shape");
-    assert_eq!((a.rows, a.cols), (rows, n_v), "gdn: a shape");
-    assert_eq!(
+    crate::backend::gpu_plan::check_gdn(
+        p,
+        (mixed.rows, mixed.cols),
+        (z.rows, z.cols),
+        (b.rows, b.cols),
+        (a.rows, a.cols),
         (state.conv_len, state.ssm_len),
-        (p.conv_state_len(), p.ssm_state_len()),
-        "gdn: state geometry"
     );
-    assert!(p.d_conv >= 1 && n_k >= 1 && n_v >= 1 && d >= 1);
     let out = new_tensor(be, rows, n_v * d);
     if rows == 0 {
         return out;

@@ -19,6 +19,7 @@
 use super::basic::{new_tensor, params};
 use super::gpu::groups_2d;
 use super::{Bind, GpuFold, Tensor, Weight, WeightPart, WgpuBackend};
+use crate::backend::gpu_plan::FoldPlan;
 use crate::backend::{BackendError, WeightSource};
 use crate::tensor::GgmlType;
 
@@ -34,7 +35,6 @@ const FWHT_STAGE: &str = include_str!("../../../shaders/fwht_stage.wgsl");
 pub const MATVEC_MAX_TOKENS: usize = 4;
 
 /// Elements one `fwht.wgsl` workgroup transforms in shared memory.
-const FWHT_CHUNK: usize = 1024;
 
 /// The decoder a kernel is specialised for: the value of `const TY` in the shaders.
 fn dtype_code(ty: GgmlType) -> u32 {
@@ -213,41 +213,12 @@ pub fn matmul(be: &WgpuBackend, w: &Weight, x: &Tensor) -> Tensor {
 /// permutation, ⊙ s, blockwise FWHT) or, with `inverse`, the inverse rule (blockwise FWHT, ⊙ s).
 pub fn fold_input(be: &WgpuBackend, x: &Tensor, f: &GpuFold, inverse: bool) -> Tensor {
     let width = x.cols;
-    assert!(
-        f.block.is_power_of_two() && width.is_multiple_of(f.block),
-        "Hadamard fold: width {width} is not a multiple of the block {}",
-        f.block
-    );
+    let plan = FoldPlan::new(f.block, width, f.perm, f.signs.is_some(), inverse);
     let y = new_tensor(be, x.rows, width);
     if x.is_empty() {
         return y;
     }
     to_u32(x.len(), "input length");
-    let perm = if inverse {
-        None
-    } else {
-        f.perm.filter(|p| !p.is_identity())
-    };
-    if let Some(p) = &perm {
-        assert_eq!(p.len(), width, "GDN permutation: length");
-    }
-    let chunk = f.block.min(FWHT_CHUNK);
-    let whole = f.block <= FWHT_CHUNK;
-    let mut flags = 0u32;
-    if perm.is_some() {
-        flags |= 1;
-    }
-    if f.signs.is_some() {
-        flags |= match (inverse, whole) {
-            (false, _) => 2,
-            (true, true) => 4,
-            // Applied by the last global stage below.
-            (true, false) => 0,
-        };
-    }
-    let (hd, nk, rep) = perm.map_or((1, 1, 1), |p| (p.hd, p.nk, p.rep));
-    // Exactly the CPU's scale (hadamard::fwht_normalized).
-    let scale = 1.0 / (f.block as f32).sqrt();
     let signs = f
         .signs
         .as_ref()
@@ -258,32 +229,24 @@ pub fn fold_input(be: &WgpuBackend, x: &Tensor, f: &GpuFold, inverse: bool) -> T
         &params(&[
             x.rows as u32,
             width as u32,
-            chunk as u32,
-            scale.to_bits(),
-            flags,
-            hd as u32,
-            nk as u32,
-            rep as u32,
+            plan.chunk as u32,
+            plan.scale.to_bits(),
+            plan.flags,
+            plan.hd as u32,
+            plan.nk as u32,
+            plan.rep as u32,
         ]),
         &[x.bind(), signs, y.bind()],
-        groups_2d(to_u32(x.rows * (width / chunk), "workgroup count")),
+        groups_2d(to_u32(x.rows * (width / plan.chunk), "workgroup count")),
     );
     let stage = be.gpu.pipeline("fwht_stage", FWHT_STAGE);
-    let mut len = chunk;
-    while len < f.block {
-        let last = 2 * len == f.block;
-        let flags = if last && inverse && f.signs.is_some() {
-            4
-        } else {
-            0
-        };
+    for (len, flags) in plan.stages() {
         be.gpu.dispatch(
             &stage,
             &params(&[x.rows as u32, width as u32, len as u32, flags]),
             &[signs, y.bind()],
             groups_2d(to_u32((x.len() / 2).div_ceil(256), "workgroup count")),
         );
-        len *= 2;
     }
     y
 }
