@@ -2,10 +2,9 @@
 // the lowest index (as the CPU's first-max scan). Writes one u32 id per row.
 #include "common.cuh"
 
-#define WG 256u
 #define NONE 0xffffffffu
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(WG)
     argmax(const float* __restrict__ x, u32* __restrict__ ids, u32 rows, u32 cols) {
     __shared__ float bv[WG];
     __shared__ u32 bi[WG];

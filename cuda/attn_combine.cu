@@ -4,11 +4,9 @@
 // Output [rows][n_head*hd].
 #include "common.cuh"
 
-#define WG 64u
 // Largest chunk count (the host plans at most this many).
-#define MAX_CHUNKS 256u
 
-extern "C" __global__ void __launch_bounds__(64)
+extern "C" __global__ void __launch_bounds__(WG)
     attn_combine(const float* __restrict__ part, const float* __restrict__ qg,
                  float* __restrict__ y, u32 rows, u32 n_head, u32 hd, u32 n_chunks) {
     __shared__ float wc[MAX_CHUNKS];

@@ -8,11 +8,9 @@
 // (`backend::rope_table`), the CPU reference's own numbers.
 #include "common.cuh"
 
-#define WG 64u
 // Largest head_dim (checked by the host).
-#define MAX_HD 512u
 
-extern "C" __global__ void __launch_bounds__(64)
+extern "C" __global__ void __launch_bounds__(WG)
     attn_prep(const float* __restrict__ qg, const float* __restrict__ k,
               const float* __restrict__ q_norm, const float* __restrict__ k_norm,
               float* __restrict__ qo, float* __restrict__ ko, const float* __restrict__ rope,

@@ -9,20 +9,10 @@
 //
 // Causal: token t sees positions 0..=pos0+t. Grouped GQA: query head h reads kv head h / group.
 // Cache rows are `row_words` u32 words (ggml row, padded to a word). The cache dtypes are
-// compiled in (-DK_TYPE=, -DV_TYPE=: 0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0); R is a template
-// parameter: entry points attn_split_r1, _r2, _r4, _r8 (R * hd <= MAX_Q).
+// compiled in with the other constants (backend::gpu::kernels): K_TYPE, V_TYPE (0 f32, 1 f16,
+// 2 bf16, 3 q8_0, 4 q4_0), R (R * hd <= MAX_Q, the query elements a block holds), WG, MAX_Q.
 #include "common.cuh"
 
-#ifndef K_TYPE
-#error "K_TYPE (the K cache dtype code) must be defined"
-#endif
-#ifndef V_TYPE
-#error "V_TYPE (the V cache dtype code) must be defined"
-#endif
-
-#define WG 64u
-// Query elements a block holds: R * hd.
-#define MAX_Q 2048u
 // Stands in for -inf, as in the WGSL.
 #define NEG (-3.0e38f)
 
@@ -72,7 +62,6 @@ __device__ __forceinline__ float v_at(const u32* __restrict__ vc, u64 base, u32 
 
 // s[r] = q_r . K[row] over elements [e0, e0 + hd) of the K row at word `base`, with per-block
 // partial sums bs scaled once by the block's d (as the WGSL).
-template <u32 R>
 __device__ __forceinline__ void k_scores(const u32* __restrict__ kc, const float* qs, u64 base,
                                          u32 e0, u32 hd, float* s) {
     float bs[R];
@@ -167,14 +156,11 @@ __device__ __forceinline__ void k_scores(const u32* __restrict__ kc, const float
     }
 }
 
-template <u32 R>
-__device__ __forceinline__ void attn_split_impl(const float* __restrict__ q,
-                                                const u32* __restrict__ kc,
-                                                const u32* __restrict__ vc,
-                                                float* __restrict__ part, u32 rows, u32 n_head,
-                                                u32 hd, u32 group, u32 pos0, u32 n_chunks,
-                                                u32 chunk_len, u32 k_row_words, u32 v_row_words,
-                                                float scale, u32 n_tiles) {
+extern "C" __global__ void __launch_bounds__(WG)
+    attn_split(const float* __restrict__ q, const u32* __restrict__ kc, const u32* __restrict__ vc,
+               float* __restrict__ part, u32 rows, u32 n_head, u32 hd, u32 group, u32 pos0,
+               u32 n_chunks, u32 chunk_len, u32 k_row_words, u32 v_row_words, float scale,
+               u32 n_tiles) {
     __shared__ float qs[MAX_Q];
     __shared__ float acc[MAX_Q];
     // Scores and probabilities [parity][r][position]; double-buffered by tile parity so that a
@@ -227,7 +213,7 @@ __device__ __forceinline__ void attn_split_impl(const float* __restrict__ q,
         const u32 j = tile0 + lid;
         const u32 n_t = min(WG, c1 - tile0);
         if (j < c1) {
-            k_scores<R>(kc, qs, (u64)j * k_row_words, e0, hd, s);
+            k_scores(kc, qs, (u64)j * k_row_words, e0, hd, s);
         }
 #pragma unroll
         for (u32 r = 0; r < R; r++) {
@@ -301,18 +287,3 @@ __device__ __forceinline__ void attn_split_impl(const float* __restrict__ q,
         }
     }
 }
-
-#define ATTN_SPLIT(rr)                                                                         \
-    extern "C" __global__ void __launch_bounds__(64)                                           \
-        attn_split_r##rr(const float* __restrict__ q, const u32* __restrict__ kc,              \
-                         const u32* __restrict__ vc, float* __restrict__ part, u32 rows,       \
-                         u32 n_head, u32 hd, u32 group, u32 pos0, u32 n_chunks,                \
-                         u32 chunk_len, u32 k_row_words, u32 v_row_words, float scale,         \
-                         u32 n_tiles) {                                                        \
-        attn_split_impl<rr>(q, kc, vc, part, rows, n_head, hd, group, pos0, n_chunks,          \
-                            chunk_len, k_row_words, v_row_words, scale, n_tiles);              \
-    }
-ATTN_SPLIT(1)
-ATTN_SPLIT(2)
-ATTN_SPLIT(4)
-ATTN_SPLIT(8)

@@ -100,7 +100,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // ---- weight decoders ------------------------------------------------------------------------
-// The decoders of shaders/matmul_vec.wgsl (`load8`), one per stored type. A weight row is its
+// The decoders of shaders/decode.wgsl (`load8`), one per stored type. A weight row is its
 // stored bytes at `row` (a row starts at an even byte offset of a 256-byte aligned allocation);
 // `e` is an element index, a multiple of 8, and load8 writes elements e..e+8 of that row to `w`
 // as f32, decoded exactly as quant::dequantize_row does (level times scale, one rounding).
@@ -250,33 +250,21 @@ __device__ __forceinline__ void load8_ptq1_0(const u8* row, u32 e, float* w) {
     }
 }
 
-template <int TY>
+template <int T>
 __device__ __forceinline__ void load8(const u8* row, u32 e, u32 ne0, float* w) {
-    if (TY == 0) {
+    if (T == 0) {
         load8_f32(row, e, ne0, w);
-    } else if (TY == 1) {
+    } else if (T == 1) {
         load8_f16(row, e, ne0, w);
-    } else if (TY == 2) {
+    } else if (T == 2) {
         load8_bf16(row, e, ne0, w);
-    } else if (TY == 3) {
+    } else if (T == 3) {
         load8_q8_0(row, e, w);
-    } else if (TY == 4) {
+    } else if (T == 4) {
         load8_q4_0(row, e, w);
-    } else if (TY == 5) {
+    } else if (T == 5) {
         load8_pq2_0(row, e, w);
     } else {
         load8_ptq1_0(row, e, w);
     }
 }
-
-// One extern "C" kernel per weight type from a template `NAME##_impl<TY>`: the entry points
-// the host looks up are NAME_f32, NAME_f16, NAME_bf16, NAME_q8_0, NAME_q4_0, NAME_pq2_0,
-// NAME_ptq1_0.
-#define FOR_EACH_WEIGHT_TYPE(X) \
-    X(f32, 0)                   \
-    X(f16, 1)                   \
-    X(bf16, 2)                  \
-    X(q8_0, 3)                  \
-    X(q4_0, 4)                  \
-    X(pq2_0, 5)                 \
-    X(ptq1_0, 6)

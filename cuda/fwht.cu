@@ -10,14 +10,13 @@
 // larger than 1024 finish with one fwht_stage pass per remaining len (1024 ... block/2).
 #include "common.cuh"
 
-#define WG 256u
 
 // flags: 1 GDN permutation, 2 ⊙ s before the transform, 4 ⊙ s after it. `s` (±1 per column)
 // may be null when the flags use none.
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(WG)
     fwht(const float* __restrict__ x, const float* __restrict__ s, float* __restrict__ y,
          u32 rows, u32 width, u32 chunk, float scale, u32 flags, u32 hd, u32 nk, u32 rep) {
-    __shared__ float buf[1024];
+    __shared__ float buf[FWHT_CHUNK];
     const u32 lid = threadIdx.x;
     const u32 n_chunks = width / chunk;
     const u32 idx = blockIdx.x;

@@ -5,11 +5,11 @@
 // applies ⊙ s (flags & 4; `s` may be null otherwise).
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(WG)
     fwht_stage(const float* __restrict__ s, float* __restrict__ y, u32 rows, u32 width, u32 len,
                u32 flags) {
     const u32 half = width / 2u;
-    const u64 q = (u64)blockIdx.x * 256u + threadIdx.x;
+    const u64 q = (u64)blockIdx.x * WG + threadIdx.x;
     if (q >= (u64)rows * half) {
         return;
     }

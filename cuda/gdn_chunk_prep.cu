@@ -11,8 +11,6 @@
 // across chunks. Chunk indices are relative to `ch0`, the first chunk of this launch.
 #include "common.cuh"
 
-#define C 64u
-#define WG 256u
 
 __device__ __forceinline__ float softplus(float x) {
     if (x > 20.0f) {
@@ -26,7 +24,7 @@ __device__ __forceinline__ float softplus(float x) {
     return logf(1.0f + e);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(WG)
     gdn_chunk_prep(const float* __restrict__ u, const float* __restrict__ b,
                    const float* __restrict__ a, const float* __restrict__ dt_bias,
                    const float* __restrict__ ssm_a, float* __restrict__ gam,

@@ -8,16 +8,10 @@
 // columns (grid (n_v, D / CB)), keeps that block in shared memory across all chunks of the
 // launch and writes it back at the end. Threads work on (row, 4 columns) groups. o is written
 // pre-norm ([rows][n_v D]); gdn_gated_norm follows. Chunk indices are relative to `ch0`. The
-// head size D is compiled in (-DD=) and must be a multiple of CB.
+// head size D (a multiple of CB), C, CB and WG come with the kernel (backend::gpu::kernels).
 #include "common.cuh"
 
-#ifndef D
-#error "D (the head size) must be defined"
-#endif
-#define C 64u
-#define CB 16u
 #define G (CB / 4u)  // 4-column groups per state row
-#define WG 256u      // = C * G: one thread per (token, group)
 
 // Four state columns.
 struct F4 {
@@ -41,7 +35,7 @@ __device__ __forceinline__ void f4_axpy(F4& r, float a, const F4& b) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(WG)
     gdn_chunk_scan(const float* __restrict__ u, const float* __restrict__ gam,
                    const float* __restrict__ uw, const float* __restrict__ pm,
                    float* __restrict__ s, float* __restrict__ o, u32 rows, u32 n_k, u32 n_v,

@@ -11,8 +11,6 @@
 // the old one.
 #include "common.cuh"
 
-#define WG 64u
-#define TB 16u
 
 // Raw input at index `ci` of the concatenation [state rows; mixed rows].
 __device__ __forceinline__ float raw(const float* __restrict__ state,
@@ -25,7 +23,7 @@ __device__ __forceinline__ float raw(const float* __restrict__ state,
     return mixed[(u64)(ci - h) * cd + ch];
 }
 
-extern "C" __global__ void __launch_bounds__(64)
+extern "C" __global__ void __launch_bounds__(WG)
     gdn_conv(const float* __restrict__ mixed, const float* __restrict__ w,
              const float* __restrict__ state, float* __restrict__ u,
              float* __restrict__ new_state, u32 rows, u32 cd, u32 d, u32 n_k, u32 kw, float eps,

@@ -3,9 +3,8 @@
 // threads per (token, head).
 #include "common.cuh"
 
-#define WG 64u
 
-extern "C" __global__ void __launch_bounds__(64)
+extern "C" __global__ void __launch_bounds__(WG)
     gdn_gated_norm(float* __restrict__ o, const float* __restrict__ z, const float* __restrict__ w,
                    u32 n, u32 d, float eps) {
     __shared__ float partial[WG];

@@ -7,14 +7,10 @@
 // and a block of CB columns (grid (n_v, ceil(D / CB))); thread (rg, c) keeps rows i = rg + R m of
 // column c in registers across the whole token loop, and the R partial sums of S^T k and S^T q
 // are combined in shared memory. o is written pre-norm ([rows][n_v D]); gdn_gated_norm follows.
-// q and k arrive L2-normalised (q scaled) from gdn_conv. The head size D is compiled in (-DD=).
+// q and k arrive L2-normalised (q scaled) from gdn_conv. The head size D, CB, R and WG come
+// with the kernel (backend::gpu::kernels).
 #include "common.cuh"
 
-#ifndef D
-#error "D (the head size) must be defined"
-#endif
-#define CB 16u
-#define R 8u
 #define NR ((D + R - 1u) / R)
 
 __device__ __forceinline__ float softplus(float x) {
@@ -29,7 +25,7 @@ __device__ __forceinline__ float softplus(float x) {
     return logf(1.0f + e);
 }
 
-extern "C" __global__ void __launch_bounds__(128)
+extern "C" __global__ void __launch_bounds__(WG)
     gdn_step(const float* __restrict__ u, const float* __restrict__ b, const float* __restrict__ a,
              const float* __restrict__ dt_bias, const float* __restrict__ ssm_a,
              float* __restrict__ s, float* __restrict__ o, u32 rows, u32 n_k, u32 n_v, u32 cd) {

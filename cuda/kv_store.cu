@@ -11,7 +11,8 @@
 //   q4_0: a pair of blocks (36 bytes = 9 words; a lone last block 18 bytes -> 5 words).
 // A block pair always starts on a word boundary, so no two threads share a word.
 //
-// Entry points kv_store_f32, kv_store_f16, kv_store_bf16, kv_store_q8_0, kv_store_q4_0.
+// KIND (the cache dtype: 0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0) and WG come with the kernel
+// (backend::gpu::kernels).
 #include "common.cuh"
 
 __device__ __forceinline__ void put_byte(u32* words, u32 at, u32 b) {
@@ -63,11 +64,10 @@ __device__ __forceinline__ void quant_q4_0(const float* __restrict__ src, u32* w
     }
 }
 
-template <int KIND>
-__device__ __forceinline__ void kv_store_impl(const float* __restrict__ src, u32* __restrict__ dst,
-                                              u32 rows, u32 width, u32 row_words, u32 row0,
-                                              u32 units) {
-    const u64 u = (u64)blockIdx.x * 64u + threadIdx.x;
+extern "C" __global__ void __launch_bounds__(WG)
+    kv_store(const float* __restrict__ src, u32* __restrict__ dst, u32 rows, u32 width,
+             u32 row_words, u32 row0, u32 units) {
+    const u64 u = (u64)blockIdx.x * WG + threadIdx.x;
     if (u >= (u64)rows * units) {
         return;
     }
@@ -123,15 +123,3 @@ __device__ __forceinline__ void kv_store_impl(const float* __restrict__ src, u32
         }
     }
 }
-
-#define KV_STORE(name, kind)                                                                   \
-    extern "C" __global__ void __launch_bounds__(64)                                           \
-        kv_store_##name(const float* __restrict__ src, u32* __restrict__ dst, u32 rows,        \
-                        u32 width, u32 row_words, u32 row0, u32 units) {                       \
-        kv_store_impl<kind>(src, dst, rows, width, row_words, row0, units);                    \
-    }
-KV_STORE(f32, 0)
-KV_STORE(f16, 1)
-KV_STORE(bf16, 2)
-KV_STORE(q8_0, 3)
-KV_STORE(q4_0, 4)

@@ -1,24 +1,19 @@
-// Tiled matrix product for prefill (port of shaders/matmul_tiled.wgsl): y[t][r] = W[r] . x[t] for
-// any number of token rows. Each block computes a tile of 64 output rows by 32 tokens: per step
+// Tiled matrix product for prefill (port of shaders/matmul_tiled.wgsl): y[t][row0 + r] = W[r] . x[t]
+// for the rows r of one weight part and any number of token rows. Each block computes a tile of 64 output rows by 32 tokens: per step
 // of 32 input elements, its 256 threads decode the 64x32 weight slice once into shared memory
 // (one 8-element unit each, common.cuh `load8`) and stage the 32x32 input slice next to it, then
 // each thread accumulates 4 rows x 2 tokens. Accumulation is f32.
 //
-// Entry points matmul_tiled_<type>, one per stored weight type.
+// TY (the weight decoder), BM, BN and BK come with the kernel (backend::gpu::kernels).
 #include "common.cuh"
 
-#define BM 64u
-#define BN 32u
-#define BK 32u
 // Shared tiles are k-major with one column of padding against bank conflicts.
 #define WS 65u
 #define XS 33u
 
-template <int TY>
-__device__ __forceinline__ void matmul_tiled_impl(const u8* __restrict__ wq,
-                                                  const float* __restrict__ x,
-                                                  float* __restrict__ y,
-                                                  u32 n_tok, u32 ne0, u32 n_rows, u32 row_bytes) {
+extern "C" __global__ void __launch_bounds__(WG)
+    matmul_tiled(const u8* __restrict__ wq, const float* __restrict__ x, float* __restrict__ y,
+                 u32 n_tok, u32 ne0, u32 n_rows, u32 row0, u32 n_out, u32 row_bytes) {
     __shared__ float ws[BK * WS];
     __shared__ float xs[BK * XS];
     const u32 lid = threadIdx.x;
@@ -51,7 +46,7 @@ __device__ __forceinline__ void matmul_tiled_impl(const u8* __restrict__ wq,
         }
 #pragma unroll
         for (u32 j = 0; j < 4u; j++) {
-            const u32 l = lid + 256u * j;
+            const u32 l = lid + WG * j;
             const u32 tl = l / BK;
             const u32 kk = l % BK;
             const u32 t = t0 + tl;
@@ -85,20 +80,11 @@ __device__ __forceinline__ void matmul_tiled_impl(const u8* __restrict__ wq,
         const u32 r = r0 + tx + 16u * i;
         if (r < n_rows) {
             if (ta < n_tok) {
-                y[(u64)ta * n_rows + r] = acc0[i];
+                y[(u64)ta * n_out + row0 + r] = acc0[i];
             }
             if (tb < n_tok) {
-                y[(u64)tb * n_rows + r] = acc1[i];
+                y[(u64)tb * n_out + row0 + r] = acc1[i];
             }
         }
     }
 }
-
-#define MATMUL_TILED(name, ty)                                                                 \
-    extern "C" __global__ void __launch_bounds__(256)                                          \
-        matmul_tiled_##name(const u8* __restrict__ wq, const float* __restrict__ x,            \
-                            float* __restrict__ y, u32 n_tok, u32 ne0, u32 n_rows,             \
-                            u32 row_bytes) {                                                   \
-        matmul_tiled_impl<ty>(wq, x, y, n_tok, ne0, n_rows, row_bytes);                        \
-    }
-FOR_EACH_WEIGHT_TYPE(MATMUL_TILED)

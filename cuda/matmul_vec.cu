@@ -1,14 +1,11 @@
-// Matrix-vector product for decode (port of shaders/matmul_vec.wgsl): y[t][r] = W[r] . x[t] for
-// every weight row r and 1 to 4 token rows t per group. One warp per (output row, group of 4
+// Matrix-vector product for decode (port of shaders/matmul_vec.wgsl): y[t][row0 + r] = W[r] . x[t]
+// for the rows r of one weight part and 1 to 4 token rows t per group. One warp per (output row, group of 4
 // tokens), four warps per block: the lanes stride over the row in units of 8 elements, decode
 // each unit once from the stored bytes (common.cuh `load8`) and use it for every token of the
 // group, then the warp sums with shuffles (the WGSL's subgroup path). f32 accumulation.
 //
-// Entry points matmul_vec_<type>, one per stored weight type.
+// TY (the weight decoder), NT and WARPS come with the kernel (backend::gpu::kernels).
 #include "common.cuh"
-
-#define NT 4u
-#define WARPS 4u
 
 // x[o .. o+8] . w, where only the first ne0 - e elements of the unit exist.
 __device__ __forceinline__ float dot8(const float* w, const float* __restrict__ x, u32 e, u32 ne0) {
@@ -28,11 +25,9 @@ __device__ __forceinline__ float dot8(const float* w, const float* __restrict__ 
     return s;
 }
 
-template <int TY>
-__device__ __forceinline__ void matmul_vec_impl(const u8* __restrict__ wq,
-                                                const float* __restrict__ x,
-                                                float* __restrict__ y,
-                                                u32 n_tok, u32 ne0, u32 n_rows, u32 row_bytes) {
+extern "C" __global__ void __launch_bounds__(32 * WARPS)
+    matmul_vec(const u8* __restrict__ wq, const float* __restrict__ x, float* __restrict__ y,
+               u32 n_tok, u32 ne0, u32 n_rows, u32 row0, u32 n_out, u32 row_bytes) {
     const u32 lane = threadIdx.x & 31u;
     const u32 n_groups = (n_tok + NT - 1u) / NT;
     const u64 idx = (u64)blockIdx.x * WARPS + (threadIdx.x >> 5);
@@ -71,23 +66,15 @@ __device__ __forceinline__ void matmul_vec_impl(const u8* __restrict__ wq,
         a3 = warp_sum(a3);
     }
     if (lane == 0u) {
-        y[(u64)t0 * n_rows + r] = a0;
+        y[(u64)t0 * n_out + row0 + r] = a0;
         if (nt > 1u) {
-            y[(u64)(t0 + 1u) * n_rows + r] = a1;
+            y[(u64)(t0 + 1u) * n_out + row0 + r] = a1;
         }
         if (nt > 2u) {
-            y[(u64)(t0 + 2u) * n_rows + r] = a2;
+            y[(u64)(t0 + 2u) * n_out + row0 + r] = a2;
         }
         if (nt > 3u) {
-            y[(u64)(t0 + 3u) * n_rows + r] = a3;
+            y[(u64)(t0 + 3u) * n_out + row0 + r] = a3;
         }
     }
 }
-
-#define MATMUL_VEC(name, ty)                                                                   \
-    extern "C" __global__ void __launch_bounds__(128)                                          \
-        matmul_vec_##name(const u8* __restrict__ wq, const float* __restrict__ x,              \
-                          float* __restrict__ y, u32 n_tok, u32 ne0, u32 n_rows, u32 row_bytes) { \
-        matmul_vec_impl<ty>(wq, x, y, n_tok, ne0, n_rows, row_bytes);                          \
-    }
-FOR_EACH_WEIGHT_TYPE(MATMUL_VEC)

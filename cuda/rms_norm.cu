@@ -2,9 +2,8 @@
 // threads per row, the sum of squares reduced through shared memory.
 #include "common.cuh"
 
-#define WG 256u
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(WG)
     rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
              u32 rows, u32 cols, float eps) {
     __shared__ float partial[WG];

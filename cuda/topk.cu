@@ -7,19 +7,18 @@
 // column) and may be null otherwise.
 #include "common.cuh"
 
-#define KMAX 64u
 #define NONE 0xffffffffu
 
 __device__ __forceinline__ bool better(float av, u32 ai, float bv, u32 bi) {
     return av > bv || (av == bv && ai < bi);
 }
 
-extern "C" __global__ void __launch_bounds__(64)
+extern "C" __global__ void __launch_bounds__(WG)
     topk(const float* __restrict__ xv, const u32* __restrict__ xi, float* __restrict__ ov,
          u32* __restrict__ oi, u32 rows, u32 n, u32 g, u32 k, u32 has_ids) {
     float lv[KMAX];
     u32 li[KMAX];
-    const u64 u = (u64)blockIdx.x * 64u + threadIdx.x;
+    const u64 u = (u64)blockIdx.x * WG + threadIdx.x;
     if (u >= (u64)rows * g) {
         return;
     }

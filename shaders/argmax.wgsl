@@ -11,11 +11,10 @@ struct Params {
 @group(0) @binding(1) var<storage, read> x: array<f32>;
 @group(0) @binding(2) var<storage, read_write> ids: array<u32>;
 
-const WG: u32 = 256u;
 var<workgroup> bv: array<f32, WG>;
 var<workgroup> bi: array<u32, WG>;
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
     let r = wid.x + wid.y * nwg.x;

@@ -13,13 +13,9 @@ struct Params {
 @group(0) @binding(2) var<storage, read> qg: array<f32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 
-const WG: u32 = 64u;
-// Largest chunk count (the host plans at most this many).
-const MAX_CHUNKS: u32 = 256u;
-
 var<workgroup> wc: array<f32, MAX_CHUNKS>;
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
     let th = wid.x + wid.y * nwg.x;

@@ -12,7 +12,6 @@ struct Params {
     n_head_kv: u32,
     hd: u32,
     n_rot: u32,
-    pos0: u32,
     eps: f32,
 }
 
@@ -25,14 +24,10 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> ko: array<f32>;
 @group(0) @binding(7) var<storage, read> rope: array<f32>;
 
-const WG: u32 = 64u;
-// Largest head_dim (checked by the host).
-const MAX_HD: u32 = 512u;
-
 var<workgroup> xs: array<f32, MAX_HD>;
 var<workgroup> red: array<f32, WG>;
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
     let heads = p.n_head + p.n_head_kv;

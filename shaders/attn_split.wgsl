@@ -7,11 +7,9 @@
 // Writes each query's chunk partial (m, l, unnormalised o[hd]) for attn_combine.
 //
 // Causal: token t sees positions 0..=pos0+t. Grouped GQA: query head h reads kv head h / group.
-// Cache rows are `row_words` u32 words (ggml row, padded to a word); the dtypes and R are
-// specialised by the host (dtypes 0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0; R * hd <= MAX_Q).
-const K_TYPE: u32 = 0u;
-const V_TYPE: u32 = 0u;
-const R: u32 = 4u;
+// Cache rows are `row_words` u32 words (ggml row, padded to a word); the constants
+// K_TYPE, V_TYPE (cache codes: 0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0) and R (R * hd <= MAX_Q)
+// come with the kernel (backend::gpu::kernels), as do WG and MAX_Q.
 
 struct Params {
     rows: u32,
@@ -35,9 +33,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read> vc: array<u32>;
 @group(0) @binding(4) var<storage, read_write> part: array<f32>;
 
-const WG: u32 = 64u;
 // Query elements a workgroup holds: R * hd.
-const MAX_Q: u32 = 2048u;
 // Stands in for -inf (WGSL does not promise infinities).
 const NEG: f32 = -3.0e38;
 
@@ -189,7 +185,7 @@ fn k_scores(base: u32, e0: u32) {
     }
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
     let n_head_kv = p.n_head / p.group;

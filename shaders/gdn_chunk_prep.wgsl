@@ -29,9 +29,6 @@ struct Params {
 @group(0) @binding(7) var<storage, read_write> uw: array<f32>;
 @group(0) @binding(8) var<storage, read_write> pm: array<f32>;
 
-const C: u32 = 64u;
-const WG: u32 = 256u;
-
 var<workgroup> am: array<f32, C * C>;
 var<workgroup> gs: array<f32, C>;
 var<workgroup> bs: array<f32, C>;
@@ -48,7 +45,7 @@ fn softplus(x: f32) -> f32 {
     return log(1.0 + e);
 }
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let chunk = wid.x;
     let j = wid.y;

@@ -26,12 +26,8 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> s: array<f32>;   // [n_v][D][D]
 @group(0) @binding(6) var<storage, read_write> o: array<f32>;   // [rows][n_v D]
 
-// The head size; the host specialises this line. D must be a multiple of CB.
-const D: u32 = 128u;
-const C: u32 = 64u;
-const CB: u32 = 16u;
+// D (the head size, a multiple of CB), C and CB come with the kernel (backend::gpu::kernels).
 const G: u32 = CB / 4u;   // vec4 groups per state row
-const WG: u32 = 256u;     // = C * G: one thread per (token, vec4 group)
 
 var<workgroup> sb: array<vec4<f32>, D * G>;   // S[i][c0 .. c0 + CB]
 var<workgroup> vn: array<vec4<f32>, C * G>;
@@ -39,7 +35,7 @@ var<workgroup> gs: array<f32, C>;
 var<workgroup> eg: array<f32, C>;             // exp(gamma_t)
 var<workgroup> el: array<f32, C>;             // exp(gamma_L - gamma_t)
 
-@compute @workgroup_size(256)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let j = wid.x;
     let c0 = wid.y * CB;

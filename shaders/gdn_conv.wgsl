@@ -25,8 +25,6 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> u: array<f32>;   // [rows][cd]
 @group(0) @binding(5) var<storage, read_write> new_state: array<f32>;
 
-const WG: u32 = 64u;
-const TB: u32 = 16u;
 var<workgroup> red: array<f32, WG>;
 
 // Raw input at index `ci` of the concatenation [state rows; mixed rows].
@@ -38,7 +36,7 @@ fn raw(ci: u32, ch: u32) -> f32 {
     return mixed[(ci - h) * p.cd + ch];
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
     let seg = wid.x;

@@ -23,10 +23,7 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> s: array<f32>;   // [n_v][D][D]
 @group(0) @binding(7) var<storage, read_write> o: array<f32>;   // [rows][n_v D]
 
-// The head size; the host specialises this line.
-const D: u32 = 128u;
-const CB: u32 = 16u;
-const R: u32 = 8u;
+// D (the head size), CB and R come with the kernel (backend::gpu::kernels).
 const NR: u32 = (D + R - 1u) / R;
 
 var<workgroup> kq: array<f32, 2u * D>;   // k, then q, of the current token
@@ -44,7 +41,7 @@ fn softplus(x: f32) -> f32 {
     return log(1.0 + e);
 }
 
-@compute @workgroup_size(128)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     let j = wid.x;
     let c = lid.x % CB;

@@ -9,8 +9,7 @@
 //   q4_0: a pair of blocks (36 bytes = 9 words; a lone last block 18 bytes -> 5 words).
 // A block pair always starts on a word boundary, so no two invocations share a word.
 //
-// KIND is specialised by the host (0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0).
-const KIND: u32 = 0u;
+// KIND comes with the kernel (backend::gpu::kernels: 0 f32, 1 f16, 2 bf16, 3 q8_0, 4 q4_0).
 
 struct Params {
     rows: u32,
@@ -169,7 +168,7 @@ fn quant_q4_0(base: u32, at: u32) {
     }
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
     let u = (wid.x + wid.y * nwg.x) * 64u + lid.x;

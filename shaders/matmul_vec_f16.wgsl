@@ -21,16 +21,13 @@ struct Params {
 @group(0) @binding(2) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 
-const WG: u32 = 64u;
-const NT: u32 = 4u;
-
 var<workgroup> red: array<vec4<f32>, WG>;
 
 fn dot8(wlo: vec4<f32>, whi: vec4<f32>, xo: u32) -> f32 {
     return dot(wlo, x[xo]) + dot(whi, x[xo + 1u]);
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {

@@ -24,7 +24,6 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> ov: array<f32>;
 @group(0) @binding(4) var<storage, read_write> oi: array<u32>;
 
-const KMAX: u32 = 64u;
 const NONE: u32 = 0xffffffffu;
 
 var<private> lv: array<f32, KMAX>;
@@ -34,7 +33,7 @@ fn better(av: f32, ai: u32, bv: f32, bi: u32) -> bool {
     return av > bv || (av == bv && ai < bi);
 }
 
-@compute @workgroup_size(64)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_id) lid: vec3<u32>) {
     let u = (wid.x + wid.y * nwg.x) * 64u + lid.x;

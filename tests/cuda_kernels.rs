@@ -17,7 +17,8 @@ use std::process::Command;
 use std::sync::Mutex;
 
 use tern::backend::cuda::device::pick_target;
-use tern::backend::cuda::kernels::{self, ModuleKey, Target};
+use tern::backend::cuda::kernels::{self, Target};
+use tern::backend::gpu::Kernel;
 
 /// The architectures the kernels are checked for: the RTX 3090 (sm_86) and the H200 (sm_90).
 const ARCHS: [u32; 2] = [86, 90];
@@ -100,22 +101,21 @@ fn summarize(verbose: &str) -> String {
     out
 }
 
-fn check_ptx(key: &ModuleKey, arch: u32, ptxas: &Path, dir: &Path) -> Result<String, String> {
+fn check_ptx(key: Kernel, arch: u32, ptxas: &Path, dir: &Path) -> Result<String, String> {
     let what = format!("{key} compute_{arch}");
     let c = kernels::compile(key, Target::Ptx(arch))?;
     if !c.log.is_empty() {
         return Err(format!("{what}: NVRTC warnings:\n{}", c.log));
     }
     let ptx = String::from_utf8(c.image).map_err(|e| format!("{what}: PTX not UTF-8: {e}"))?;
-    for e in kernels::file(key.file).entries {
-        if !ptx.contains(&format!(".entry {e}(")) {
-            return Err(format!("{what}: no entry point {e} in the PTX"));
-        }
+    let spec = key.spec();
+    if !ptx.contains(&format!(".entry {}(", spec.file)) {
+        return Err(format!("{what}: no entry point {} in the PTX", spec.file));
     }
     let stem = format!(
         "{}{}_{arch}",
-        key.file,
-        key.defines
+        spec.file,
+        spec.defines
             .iter()
             .map(|(k, v)| format!("_{k}{v}"))
             .collect::<String>()
@@ -161,11 +161,11 @@ fn every_kernel_compiles_for_sm86_and_sm90() {
     println!("NVRTC {major}.{minor}, {}", ptxas.display());
     let dir = std::env::temp_dir().join(format!("tern-cuda-kernels-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let work: Vec<(ModuleKey, u32)> = kernels::all_modules()
+    let work: Vec<(Kernel, u32)> = kernels::all_modules()
         .into_iter()
-        .flat_map(|k| ARCHS.map(|a| (k.clone(), a)))
+        .flat_map(|k| ARCHS.map(|a| (k, a)))
         .collect();
-    let failures = parallel(&work, |(key, arch)| check_ptx(key, *arch, &ptxas, &dir));
+    let failures = parallel(&work, |&(key, arch)| check_ptx(key, arch, &ptxas, &dir));
     let _ = std::fs::remove_dir_all(&dir);
     assert!(
         failures.is_empty(),
@@ -188,15 +188,15 @@ fn runtime_cubins_compile() {
     let mut work = Vec::new();
     let mut seen = std::collections::BTreeSet::new();
     for key in kernels::all_modules() {
-        if seen.insert(key.file) {
+        if seen.insert(key.spec().file) {
             for a in ARCHS {
                 assert!(archs.contains(&a), "NVRTC cannot compile for sm_{a}");
-                work.push((key.clone(), a));
+                work.push((key, a));
             }
         }
     }
-    let failures = parallel(&work, |(key, arch)| {
-        let c = kernels::compile(key, Target::Cubin(*arch))?;
+    let failures = parallel(&work, |&(key, arch)| {
+        let c = kernels::compile(key, Target::Cubin(arch))?;
         if !c.log.is_empty() {
             return Err(format!("{key} sm_{arch}: NVRTC warnings:\n{}", c.log));
         }
@@ -225,22 +225,35 @@ fn kernel_files_are_registered() {
         })
         .collect();
     on_disk.sort();
-    let mut registered: Vec<String> = kernels::FILES.iter().map(|f| f.name.to_string()).collect();
+    let mut registered: Vec<String> = kernels::FILES.iter().map(|f| f.0.to_string()).collect();
     registered.sort();
     assert_eq!(on_disk, registered, "cuda/*.cu and kernels::FILES differ");
-    for f in kernels::FILES {
-        let src = kernels::source(f.name);
+    let mut used: Vec<&str> = kernels::all_modules()
+        .into_iter()
+        .map(|k| k.spec().file)
+        .collect();
+    used.sort();
+    used.dedup();
+    assert_eq!(on_disk, used, "a kernel file no kernel uses, or a kernel without a file");
+    for key in kernels::all_modules() {
+        let spec = key.spec();
+        let src = kernels::source(key);
         assert!(
             !src.lines().any(|l| l.trim_start().starts_with("#include")),
-            "{}: unresolved include",
-            f.name
+            "{key}: unresolved include"
         );
-        assert!(src.contains("#line 1 \"common.cuh\""), "{}", f.name);
-        for e in f.entries {
+        assert!(src.contains("#line 1 \"common.cuh\""), "{key}");
+        assert!(
+            src.contains(&format!("{}(", spec.file)),
+            "{key}: entry {} not named in the source",
+            spec.file
+        );
+        // The constants come from the kernel table, never from the file itself.
+        for (name, _) in &spec.defines {
             assert!(
-                src.contains(&format!("{e}(")) || src.contains("##"),
-                "{}: entry {e} not named in the source",
-                f.name
+                !kernels::file(spec.file).contains(&format!("#define {name} ")),
+                "cuda/{}.cu defines {name} itself",
+                spec.file
             );
         }
     }

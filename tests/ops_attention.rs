@@ -1,9 +1,11 @@
 //! Op-level tests of the gated attention core (with its KV cache in every dtype), argmax and
-//! top-k, against the CPU reference, on every backend.
+//! top-k, against the CPU reference, on every GPU backend (the CPU's own: tests/ops_cpu.rs).
 
 mod common;
 
 use common::{assert_close, cpu, weight, Rng};
+use tern::backend::gpu::attention::{read_cache, topk_rows};
+use tern::backend::gpu::{Device, GpuBackend};
 use tern::backend::{AttnParams, Backend, KvTypes};
 use tern::tensor::GgmlType;
 
@@ -262,12 +264,14 @@ fn argmax<B: Backend>(be: &B) {
     }
 }
 
-per_backend!(
+per_gpu_backend!(
     attention_f32,
     attention_kv_types,
     attention_long,
     kv_truncate,
-    argmax
+    argmax,
+    topk,
+    cache_bytes_match_ggml,
 );
 
 /// The CPU's answer for top-k: sort by value descending, then index.
@@ -283,7 +287,7 @@ fn topk_reference(x: &[f32], cols: usize, k: usize) -> (Vec<u32>, Vec<f32>) {
     (ids, vals)
 }
 
-fn topk_on<B: Backend>(be: &B, topk: impl Fn(&B, &B::T, usize) -> (Vec<u32>, Vec<f32>)) {
+fn topk<D: Device>(be: &GpuBackend<D>) {
     let mut rng = Rng(700);
     for (rows, cols) in [
         (1, 1),
@@ -301,7 +305,7 @@ fn topk_on<B: Backend>(be: &B, topk: impl Fn(&B, &B::T, usize) -> (Vec<u32>, Vec
             if k > cols {
                 continue;
             }
-            let (ids, vals) = topk(be, &be.from_host(&x, rows, cols), k);
+            let (ids, vals) = topk_rows(be, &be.from_host(&x, rows, cols), k);
             let (want_ids, want_vals) = topk_reference(&x, cols, k);
             assert_eq!(
                 ids,
@@ -319,27 +323,10 @@ fn topk_on<B: Backend>(be: &B, topk: impl Fn(&B, &B::T, usize) -> (Vec<u32>, Vec
     }
 }
 
-#[test]
-fn wgpu_topk() {
-    let Some(be) = common::wgpu() else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
-    };
-    topk_on(be, tern::backend::wgpu::attention::topk_rows);
-}
-
-#[cfg(feature = "cuda")]
-#[test]
-fn cuda_topk() {
-    if let Some(be) = common::cuda() {
-        topk_on(be, tern::backend::cuda::attention::topk_rows);
-    }
-}
-
 /// V rows go into the cache untransformed, so the stored bytes must be exactly ggml's
 /// reference quantization of them (`quant::quantize_row`), for every cache dtype, including a
 /// row whose byte size is not a multiple of 4 (one Q8_0 or Q4_0 block per row).
-fn cache_bytes_on<B: Backend>(be: &B, read_cache: impl Fn(&B, &B::Kv) -> (Vec<u8>, Vec<u8>)) {
+fn cache_bytes_match_ggml<D: Device>(be: &GpuBackend<D>) {
     for (n_head_kv, hd) in [(1, 32), (3, 32), (2, 256)] {
         let p = attn_params(n_head_kv, n_head_kv, hd, 16, [3, 3, 2, 0]);
         let mut x = inputs(&p, 9, 800);
@@ -406,62 +393,6 @@ fn cache_bytes_on<B: Backend>(be: &B, read_cache: impl Fn(&B, &B::Kv) -> (Vec<u8
                 want.len(),
                 be.name()
             );
-        }
-    }
-}
-
-#[test]
-fn wgpu_cache_bytes_match_ggml() {
-    let Some(be) = common::wgpu() else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
-    };
-    cache_bytes_on(be, tern::backend::wgpu::attention::read_cache);
-}
-
-#[cfg(feature = "cuda")]
-#[test]
-fn cuda_cache_bytes_match_ggml() {
-    if let Some(be) = common::cuda() {
-        cache_bytes_on(be, tern::backend::cuda::attention::read_cache);
-    }
-}
-
-/// The host specialises the cache dtypes into the shaders; every variant must validate.
-#[test]
-fn specialized_shaders_validate() {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders");
-    let validate = |name: &str, src: &str| {
-        let module = naga::front::wgsl::parse_str(src)
-            .unwrap_or_else(|e| panic!("{name}:\n{}", e.emit_to_string(src)));
-        naga::valid::Validator::new(
-            naga::valid::ValidationFlags::all(),
-            naga::valid::Capabilities::all(),
-        )
-        .validate(&module)
-        .unwrap_or_else(|e| panic!("{name}: {e:?}"));
-    };
-    let store = std::fs::read_to_string(dir.join("kv_store.wgsl")).unwrap();
-    let split = std::fs::read_to_string(dir.join("attn_split.wgsl")).unwrap();
-    for a in 0..5 {
-        validate(
-            &format!("kv_store {a}"),
-            &store.replace("const KIND: u32 = 0u;", &format!("const KIND: u32 = {a}u;")),
-        );
-        for b in 0..5 {
-            for r in [1, 2, 4, 8] {
-                let s = split
-                    .replace(
-                        "const K_TYPE: u32 = 0u;",
-                        &format!("const K_TYPE: u32 = {a}u;"),
-                    )
-                    .replace(
-                        "const V_TYPE: u32 = 0u;",
-                        &format!("const V_TYPE: u32 = {b}u;"),
-                    )
-                    .replace("const R: u32 = 4u;", &format!("const R: u32 = {r}u;"));
-                validate(&format!("attn_split {a} {b} {r}"), &s);
-            }
         }
     }
 }

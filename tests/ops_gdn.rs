@@ -1,14 +1,14 @@
-//! Op-level tests of the Gated DeltaNet core against the CPU reference, on every backend: the
-//! output, and both state tensors after every call, over token counts around the chunk size
-//! (64) and continuing from carried state; rollback through `recurrent_copy`; and on wgpu (and
-//! cuda) both forms of the recurrence (token by token and chunked) against the reference.
+//! Op-level tests of the Gated DeltaNet core against the CPU reference, on every GPU backend:
+//! the output, and both state tensors after every call, over token counts around the chunk size
+//! (64) and continuing from carried state; rollback through `recurrent_copy`; and both forms of
+//! the recurrence (token by token and chunked) against the reference.
 
 mod common;
 
 use common::{assert_close, cpu, weight, Rng};
 use tern::backend::cpu::CpuBackend;
-use tern::backend::wgpu::gdn::{self as wgdn, GdnForm};
-use tern::backend::wgpu::WgpuBackend;
+use tern::backend::gpu::gdn::{gdn_with, read_state, GdnForm};
+use tern::backend::gpu::{Device, GpuBackend};
 use tern::backend::{Backend, GdnParams, GdnWeights, WeightSource};
 use tern::tensor::GgmlType;
 
@@ -41,16 +41,9 @@ impl StateRead for CpuBackend {
     }
 }
 
-impl StateRead for WgpuBackend {
+impl<D: Device> StateRead for GpuBackend<D> {
     fn state(&self, rs: &Self::Rs) -> (Vec<f32>, Vec<f32>) {
-        wgdn::read_state(self, rs)
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl StateRead for tern::backend::cuda::CudaBackend {
-    fn state(&self, rs: &Self::Rs) -> (Vec<f32>, Vec<f32>) {
-        tern::backend::cuda::gdn::read_state(self, rs)
+        read_state(self, rs)
     }
 }
 
@@ -258,20 +251,16 @@ fn rollback<B: StateRead>(be: &B) {
     assert_eq!(be.state(&checkpoint), saved, "the checkpoint is untouched");
 }
 
-per_backend!(gdn_matches_reference, rollback);
-
-/// The wgpu forms one by one against the reference, and against each other: the recurrent
+/// The two forms one by one against the reference, and against each other: the recurrent
 /// form over whole prefills, the chunked form with one chunk per dispatch (the state carried
 /// between dispatches) and with all chunks in one.
-mod wgpu_forms {
-    use super::*;
-
-    fn run_form(
-        be: &WgpuBackend,
+fn recurrent_and_chunked_forms<D: Device>(be: &GpuBackend<D>) {
+    fn run_form<D: Device>(
+        be: &GpuBackend<D>,
         p: &GdnParams,
-        w: &Uploaded<WgpuBackend>,
+        w: &Uploaded<GpuBackend<D>>,
         x: &Inputs,
-        rs: &mut wgdn::Recurrent,
+        rs: &mut <GpuBackend<D> as Backend>::Rs,
         form: GdnForm,
     ) -> Vec<f32> {
         let gw = GdnWeights {
@@ -280,7 +269,7 @@ mod wgpu_forms {
             ssm_a: &w.ssm_a,
             norm: &w.norm,
         };
-        let y = wgdn::gdn_with(
+        let y = gdn_with(
             be,
             p,
             &be.from_host(&x.mixed, x.rows, p.conv_dim()),
@@ -294,140 +283,51 @@ mod wgpu_forms {
         be.to_host(&y)
     }
 
-    #[test]
-    fn recurrent_and_chunked_forms() {
-        let Some(be) = common::wgpu() else {
-            eprintln!("skipped: no wgpu adapter");
-            return;
-        };
-        let reference = cpu();
-        let mut rng = Rng(23);
-        for (n_k, n_v, d) in [(2, 4, 32), (2, 2, 128)] {
-            let l = layer(&mut rng, n_k, n_v, d);
-            let p = l.p;
-            let (w, ref_w) = (upload(be, &l), upload(&reference, &l));
-            let forms = [
-                (GdnForm::Recurrent, TOL_RECURRENT),
-                (GdnForm::Chunked, TOL_CHUNKED),
-                (GdnForm::ChunkedIn(1), TOL_CHUNKED),
-            ];
-            let mut states: Vec<wgdn::Recurrent> =
-                forms.iter().map(|_| be.new_recurrent(&p)).collect();
-            let mut ref_rs = reference.new_recurrent(&p);
-            for rows in [130, 2, 64, 193] {
-                let x = inputs(&mut rng, &p, rows);
-                let want = run(&reference, &p, &ref_w, &x, &mut ref_rs);
-                let (_, ref_ssm) = reference.state(&ref_rs);
-                let mut outs = Vec::new();
-                for ((form, tol), rs) in forms.iter().zip(&mut states) {
-                    let ours = run_form(be, &p, &w, &x, rs, *form);
-                    let what = format!("gdn {form:?} n_k {n_k} n_v {n_v} d {d}, {rows} rows");
-                    assert_close(&format!("{what} output"), &ours, &want, *tol);
-                    assert_close(
-                        &format!("{what} ssm state"),
-                        &be.state(rs).1,
-                        &ref_ssm,
-                        *tol,
-                    );
-                    outs.push(ours);
-                }
+    let reference = cpu();
+    let mut rng = Rng(23);
+    for (n_k, n_v, d) in [(2, 4, 32), (2, 2, 128)] {
+        let l = layer(&mut rng, n_k, n_v, d);
+        let p = l.p;
+        let (w, ref_w) = (upload(be, &l), upload(&reference, &l));
+        let forms = [
+            (GdnForm::Recurrent, TOL_RECURRENT),
+            (GdnForm::Chunked, TOL_CHUNKED),
+            (GdnForm::ChunkedIn(1), TOL_CHUNKED),
+        ];
+        let mut states: Vec<_> = forms.iter().map(|_| be.new_recurrent(&p)).collect();
+        let mut ref_rs = reference.new_recurrent(&p);
+        for rows in [130, 2, 64, 193] {
+            let x = inputs(&mut rng, &p, rows);
+            let want = run(&reference, &p, &ref_w, &x, &mut ref_rs);
+            let (_, ref_ssm) = reference.state(&ref_rs);
+            let mut outs = Vec::new();
+            for ((form, tol), rs) in forms.iter().zip(&mut states) {
+                let ours = run_form(be, &p, &w, &x, rs, *form);
+                let what = format!(
+                    "{} gdn {form:?} n_k {n_k} n_v {n_v} d {d}, {rows} rows",
+                    be.name()
+                );
+                assert_close(&format!("{what} output"), &ours, &want, *tol);
                 assert_close(
-                    &format!("gdn chunked vs recurrent, d {d}, {rows} rows"),
-                    &outs[1],
-                    &outs[0],
-                    TOL_CHUNKED,
+                    &format!("{what} ssm state"),
+                    &be.state(rs).1,
+                    &ref_ssm,
+                    *tol,
                 );
-                assert_eq!(
-                    outs[1], outs[2],
-                    "one dispatch or one per chunk: the same sums"
-                );
+                outs.push(ours);
             }
+            assert_close(
+                &format!("gdn chunked vs recurrent, d {d}, {rows} rows"),
+                &outs[1],
+                &outs[0],
+                TOL_CHUNKED,
+            );
+            assert_eq!(
+                outs[1], outs[2],
+                "one dispatch or one per chunk: the same sums"
+            );
         }
     }
 }
 
-/// The CUDA forms one by one against the reference and against each other, as `wgpu_forms`.
-#[cfg(feature = "cuda")]
-mod cuda_forms {
-    use super::*;
-    use tern::backend::cuda::gdn::{self as cgdn, GdnForm as CForm};
-    use tern::backend::cuda::CudaBackend;
-
-    fn run_form(
-        be: &CudaBackend,
-        p: &GdnParams,
-        w: &Uploaded<CudaBackend>,
-        x: &Inputs,
-        rs: &mut cgdn::Recurrent,
-        form: CForm,
-    ) -> Vec<f32> {
-        let gw = GdnWeights {
-            conv: &w.conv,
-            dt_bias: &w.dt_bias,
-            ssm_a: &w.ssm_a,
-            norm: &w.norm,
-        };
-        let y = cgdn::gdn_with(
-            be,
-            p,
-            &be.from_host(&x.mixed, x.rows, p.conv_dim()),
-            &be.from_host(&x.z, x.rows, p.n_v * p.d),
-            &be.from_host(&x.b, x.rows, p.n_v),
-            &be.from_host(&x.a, x.rows, p.n_v),
-            &gw,
-            rs,
-            form,
-        );
-        be.to_host(&y)
-    }
-
-    #[test]
-    fn recurrent_and_chunked_forms() {
-        let Some(be) = common::cuda() else {
-            return;
-        };
-        let reference = cpu();
-        let mut rng = Rng(23);
-        for (n_k, n_v, d) in [(2, 4, 32), (2, 2, 128)] {
-            let l = layer(&mut rng, n_k, n_v, d);
-            let p = l.p;
-            let (w, ref_w) = (upload(be, &l), upload(&reference, &l));
-            let forms = [
-                (CForm::Recurrent, TOL_RECURRENT),
-                (CForm::Chunked, TOL_CHUNKED),
-                (CForm::ChunkedIn(1), TOL_CHUNKED),
-            ];
-            let mut states: Vec<cgdn::Recurrent> =
-                forms.iter().map(|_| be.new_recurrent(&p)).collect();
-            let mut ref_rs = reference.new_recurrent(&p);
-            for rows in [130, 2, 64, 193] {
-                let x = inputs(&mut rng, &p, rows);
-                let want = run(&reference, &p, &ref_w, &x, &mut ref_rs);
-                let (_, ref_ssm) = reference.state(&ref_rs);
-                let mut outs = Vec::new();
-                for ((form, tol), rs) in forms.iter().zip(&mut states) {
-                    let ours = run_form(be, &p, &w, &x, rs, *form);
-                    let what = format!("cuda gdn {form:?} n_k {n_k} n_v {n_v} d {d}, {rows} rows");
-                    assert_close(&format!("{what} output"), &ours, &want, *tol);
-                    assert_close(
-                        &format!("{what} ssm state"),
-                        &be.state(rs).1,
-                        &ref_ssm,
-                        *tol,
-                    );
-                    outs.push(ours);
-                }
-                assert_close(
-                    &format!("cuda gdn chunked vs recurrent, d {d}, {rows} rows"),
-                    &outs[1],
-                    &outs[0],
-                    TOL_CHUNKED,
-                );
-                assert_eq!(
-                    outs[1], outs[2],
-                    "one launch or one per chunk: the same sums"
-                );
-            }
-        }
-    }
-}
+per_gpu_backend!(gdn_matches_reference, rollback, recurrent_and_chunked_forms);

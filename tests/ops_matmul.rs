@@ -1,14 +1,14 @@
 //! Op-level tests of `matmul` (every weight dtype, folded or not) and `embed` (with the inverse
-//! rule) against the CPU reference, on every backend; plus checks of the Hadamard transform on
-//! its own (wgpu and cuda), and wgpu-only ones of weights split into several parts and of the
-//! kernel sources (the CUDA sources: tests/cuda_kernels.rs).
+//! rule) against the CPU reference, on every GPU backend; plus checks of the Hadamard transform
+//! on its own and of weights split into several parts. (The CPU itself: tests/ops_cpu.rs; the
+//! kernel sources: tests/shaders.rs and tests/cuda_kernels.rs.)
 
 mod common;
 
 use std::sync::Arc;
 
 use common::{assert_close, cpu, weight, with_fold, Rng};
-use tern::backend::wgpu::matmul::{fold_input, specialise, upload_split};
+use tern::backend::gpu::{matmul::fold_input, Device, GpuBackend};
 use tern::backend::{Backend, Fold, WeightSource};
 use tern::gguf::{Gguf, GgufWriter, Value};
 use tern::quant::hadamard::{GdnPermutation, HadamardConfig};
@@ -299,7 +299,7 @@ fn embed_inverse<B: Backend>(be: &B) {
     }
 }
 
-per_backend!(
+per_gpu_backend!(
     matmul_f32,
     matmul_f16,
     matmul_bf16,
@@ -311,11 +311,13 @@ per_backend!(
     matmul_folded,
     embed_dtypes,
     embed_inverse,
+    fwht_bit_exact,
+    split_parts,
 );
 
 /// The forward transform alone (`fold_input`) against `Fold::apply`, and the inverse against
 /// `inverse_in_place`: same scale, same butterflies in the same order, so bit-identical.
-fn fwht_bit_exact_on<B: Backend>(be: &B, fold_in: impl Fn(&B, &B::T, &B::W, bool) -> B::T) {
+fn fwht_bit_exact<D: Device>(be: &GpuBackend<D>) {
     let mut rng = Rng(51);
     for (block, width, explicit, perm) in [
         (64, 128, true, Some(GdnPermutation::new(128, 4, 2).unwrap())),
@@ -346,7 +348,7 @@ fn fwht_bit_exact_on<B: Backend>(be: &B, fold_in: impl Fn(&B, &B::T, &B::W, bool
         for rows in [1, 3] {
             let x = rng.vec(rows * width, 2.0);
             let xt = be.from_host(&x, rows, width);
-            let ours = be.to_host(&fold_in(be, &xt, &gw, false));
+            let ours = be.to_host(&fold_input(be, &xt, gw.fold.as_ref().unwrap(), false));
             let mut want = x.clone();
             let mut scratch = Vec::new();
             want.chunks_mut(width)
@@ -366,7 +368,7 @@ fn fwht_bit_exact_on<B: Backend>(be: &B, fold_in: impl Fn(&B, &B::T, &B::W, bool
                     ..w.clone()
                 })
                 .unwrap();
-            let ours = be.to_host(&fold_in(be, &xt, &inv, true));
+            let ours = be.to_host(&fold_input(be, &xt, inv.inverse.as_ref().unwrap(), true));
             let mut want = x.clone();
             want.chunks_mut(width).for_each(|r| h.inverse_in_place(r));
             assert_close(
@@ -379,38 +381,10 @@ fn fwht_bit_exact_on<B: Backend>(be: &B, fold_in: impl Fn(&B, &B::T, &B::W, bool
     }
 }
 
-#[test]
-fn fwht_bit_exact() {
-    let Some(be) = common::wgpu() else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
-    };
-    fwht_bit_exact_on(be, |be, x, w, inverse| {
-        let f = if inverse { &w.inverse } else { &w.fold };
-        fold_input(be, x, f.as_ref().unwrap(), inverse)
-    });
-}
-
-#[cfg(feature = "cuda")]
-#[test]
-fn cuda_fwht_bit_exact() {
-    if let Some(be) = common::cuda() {
-        fwht_bit_exact_on(be, |be, x, w, inverse| {
-            let f = if inverse { &w.inverse } else { &w.fold };
-            tern::backend::cuda::matmul::fold_input(be, x, f.as_ref().unwrap(), inverse)
-        });
-    }
-}
-
 /// Weights in several parts, as `upload` splits those above the binding limit: each part's
 /// dispatch writes its own output columns, and the embedding picks the part per row. Rows of
 /// 102 bytes (Q8_0 at 96) make every part boundary fall off 4-byte alignment in the source.
-#[test]
-fn split_parts() {
-    let Some(be) = common::wgpu() else {
-        eprintln!("skipped: no wgpu adapter");
-        return;
-    };
+fn split_parts<D: Device>(be: &GpuBackend<D>) {
     let reference = cpu();
     let mut rng = Rng(61);
     let h = hadamard(64, &[384], true, 62);
@@ -429,7 +403,7 @@ fn split_parts() {
         if fold {
             w = with_fold(w, &h, None);
         }
-        let gw = upload_split(be, &w, per_part).unwrap();
+        let gw = be.upload_split(&w, Some(per_part)).unwrap();
         assert_eq!(gw.parts.len(), n_out.div_ceil(per_part));
         let cw = reference.upload(&w).unwrap();
         for n_tok in [1, 3, 65] {
@@ -454,7 +428,7 @@ fn split_parts() {
         if fold {
             t.inverse = Some(h.clone());
         }
-        let gt = upload_split(be, &t, per_part).unwrap();
+        let gt = be.upload_split(&t, Some(per_part)).unwrap();
         let ids: Vec<u32> = (0..9)
             .map(|_| rng.below(n_out as u64) as u32)
             .chain([0, n_out as u32 - 1])
@@ -467,80 +441,5 @@ fn split_parts() {
             &want,
             EXACT,
         );
-    }
-}
-
-fn shader(name: &str) -> String {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("shaders")
-        .join(name);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-/// The weight decoders are one section repeated in the three kernels that read weights: the
-/// copies must not drift apart.
-#[test]
-fn decoder_copies_identical() {
-    let section = |name: &str| -> String {
-        let src = shader(name);
-        let begin = src
-            .find("// ---- weight decoders")
-            .unwrap_or_else(|| panic!("{name}: no decoder section"));
-        let end = src
-            .find("// ---- end of weight decoders")
-            .unwrap_or_else(|| panic!("{name}: decoder section not closed"));
-        src[begin..end].to_string()
-    };
-    let reference = section("matmul_vec.wgsl");
-    for name in ["matmul_tiled.wgsl", "embed.wgsl"] {
-        assert!(
-            section(name) == reference,
-            "{name}: decoder section differs from matmul_vec.wgsl's"
-        );
-    }
-}
-
-/// Every specialisation the backend can build validates with naga (tests/shaders.rs covers the
-/// files as written, i.e. the F32, no-subgroup variants).
-#[test]
-fn specialised_kernels_validate() {
-    let types = [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::BF16,
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::PQ2_0,
-        GgmlType::PTQ1_0,
-    ];
-    for (name, subgroup_variants) in [
-        ("matmul_vec.wgsl", true),
-        ("matmul_tiled.wgsl", false),
-        ("embed.wgsl", false),
-    ] {
-        let src = shader(name);
-        for ty in types {
-            for sg in [false, true] {
-                if sg && !subgroup_variants {
-                    continue;
-                }
-                let code = specialise(&src, ty, sg);
-                if sg {
-                    assert!(
-                        code.contains("subgroupAdd(") && !code.contains("red[lid] += red[lid + s]"),
-                        "{name}: subgroup variant not built"
-                    );
-                }
-                let module = naga::front::wgsl::parse_str(&code).unwrap_or_else(|e| {
-                    panic!("{name} {ty} subgroups {sg}:\n{}", e.emit_to_string(&code))
-                });
-                naga::valid::Validator::new(
-                    naga::valid::ValidationFlags::all(),
-                    naga::valid::Capabilities::all(),
-                )
-                .validate(&module)
-                .unwrap_or_else(|e| panic!("{name} {ty} subgroups {sg}: {e:?}"));
-            }
-        }
     }
 }

@@ -9,7 +9,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
-pub mod gpu_plan;
+pub mod gpu;
 pub mod pick;
 pub mod wgpu;
 
@@ -253,6 +253,9 @@ pub trait Backend: Send + Sync {
     fn to_host(&self, t: &Self::T) -> Vec<f32>;
     /// Copies rows `[start, start + n)` of `t`.
     fn rows(&self, t: &Self::T, start: usize, n: usize) -> Self::T;
+    /// The rows named by `runs` of `(first row, count)`, in order, as one tensor (a batch's
+    /// output rows).
+    fn gather_rows(&self, t: &Self::T, runs: &[(usize, usize)]) -> Self::T;
     fn concat_cols(&self, a: &Self::T, b: &Self::T) -> Self::T;
     /// Stacks row blocks (all with the same column count).
     fn concat_rows(&self, parts: &[&Self::T]) -> Self::T;
@@ -262,6 +265,9 @@ pub trait Backend: Send + Sync {
     fn rms_norm(&self, x: &Self::T, w: &Self::W, eps: f32) -> Self::T;
     /// `y[r] = W · x[r]` for every row, with the fold's transform on the input when folded.
     fn matmul(&self, w: &Self::W, x: &Self::T) -> Self::T;
+    /// `matmul` of one input by several weights (q/k/v, the GDN projections, ffn gate/up):
+    /// the fold's transform of the shared input runs once for the weights that share a fold.
+    fn matmul_many(&self, ws: &[&Self::W], x: &Self::T) -> Vec<Self::T>;
     fn add_assign(&self, x: &mut Self::T, y: &Self::T);
     /// `silu(gate) ⊙ up`.
     fn swiglu(&self, gate: &Self::T, up: &Self::T) -> Self::T;

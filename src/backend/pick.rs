@@ -4,6 +4,7 @@ use super::cpu::CpuBackend;
 #[cfg(feature = "cuda")]
 use super::cuda::CudaBackend;
 use super::wgpu::WgpuBackend;
+use super::gpu::Device as _;
 use super::BackendError;
 
 /// The backend a command runs on.
@@ -65,7 +66,7 @@ pub fn pick(name: &str) -> Result<Picked, BackendError> {
         "cpu" => Ok(Picked::Cpu(CpuBackend::new())),
         "wgpu" => {
             let be = WgpuBackend::new()?;
-            eprintln!("{}", be.gpu.describe());
+            eprintln!("{}", be.dev.describe());
             Ok(Picked::Wgpu(be))
         }
         "cuda" => {
@@ -85,15 +86,15 @@ pub fn pick(name: &str) -> Result<Picked, BackendError> {
             }
             match WgpuBackend::new() {
                 // A software rasterizer (lavapipe, WARP) is slower than the CPU backend.
-                Ok(be) if be.gpu.info.device_type == wgpu::DeviceType::Cpu => {
+                Ok(be) if be.dev.info.device_type == wgpu::DeviceType::Cpu => {
                     eprintln!(
                         "backend: cpu (auto: the only wgpu adapter, {:?}, is a software renderer; --backend wgpu forces it)",
-                        be.gpu.info.name
+                        be.dev.info.name
                     );
                     Ok(Picked::Cpu(CpuBackend::new()))
                 }
                 Ok(be) => {
-                    eprintln!("backend: wgpu (auto); {}", be.gpu.describe());
+                    eprintln!("backend: wgpu (auto); {}", be.dev.describe());
                     Ok(Picked::Wgpu(be))
                 }
                 Err(e) => {

@@ -273,29 +273,14 @@ impl Uploader for Pricer {
 }
 
 fn wgpu_rule(w: &WeightSource) -> WeightBytes {
-    crate::backend::wgpu::planned_weight_bytes(w, WGPU_BINDING_LIMIT)
+    crate::backend::gpu::planned_weight_bytes(w, crate::backend::wgpu::alloc_rule(WGPU_BINDING_LIMIT))
 }
 
 /// What the cuda backend's `upload` allocates for `w`: one exact device allocation (at least 4
 /// bytes) of the stored rows, or of the f32 copy of a small weight, plus a sign vector per
-/// Hadamard rule it carries. Kept here rather than in the feature-gated backend so that
-/// `tern fit --backend cuda` prices it in any build.
+/// Hadamard rule it carries.
 fn cuda_rule(w: &WeightSource) -> WeightBytes {
-    let (ne0, rows) = w.shape2();
-    let exact = |n: u64| n.max(4);
-    let mut owned = if w.decode_once() {
-        exact((ne0 as u64).saturating_mul(rows as u64).saturating_mul(4))
-    } else {
-        exact(w.info.nbytes)
-    };
-    for n in w.sign_vectors() {
-        owned = owned.saturating_add(exact(n as u64 * 4));
-    }
-    WeightBytes {
-        tensor: w.info.name.clone(),
-        mapped: 0,
-        owned,
-    }
+    crate::backend::gpu::planned_weight_bytes(w, crate::backend::gpu::cuda_alloc_rule())
 }
 
 /// The backend's rule for what one weight takes: the file's bytes in place on the CPU, device

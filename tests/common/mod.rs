@@ -5,6 +5,7 @@
 use std::sync::{Arc, OnceLock};
 
 use tern::backend::cpu::CpuBackend;
+use tern::backend::gpu::Device as _;
 use tern::backend::wgpu::WgpuBackend;
 use tern::backend::{nmse, Fold, WeightSource};
 use tern::gguf::{Gguf, GgufWriter};
@@ -93,7 +94,7 @@ pub fn wgpu() -> Option<&'static WgpuBackend> {
     static BE: OnceLock<Option<WgpuBackend>> = OnceLock::new();
     BE.get_or_init(|| match WgpuBackend::new() {
         Ok(b) => {
-            eprintln!("{}", b.gpu.describe());
+            eprintln!("{}", b.dev.describe());
             Some(b)
         }
         Err(e) => {
@@ -168,6 +169,38 @@ macro_rules! per_backend {
                 }
             )*
         }
+        mod wgpu_backend {
+            $(
+                #[test]
+                fn $name() {
+                    match super::common::wgpu() {
+                        Some(be) => super::$name(be),
+                        None => eprintln!("skipped: no wgpu adapter"),
+                    }
+                }
+            )*
+        }
+        #[cfg(feature = "cuda")]
+        mod cuda_backend {
+            $(
+                #[test]
+                fn $name() {
+                    if let Some(be) = super::common::cuda() {
+                        super::$name(be);
+                    }
+                }
+            )*
+        }
+    };
+}
+
+/// Instantiates a generic test body once per GPU backend: `wgpu` when an adapter is present,
+/// `cuda` (in a build with `--features cuda`) when a device is present. For op tests whose
+/// reference is the CPU backend (the CPU's own op tests, against references written from the
+/// math, are tests/ops_cpu.rs).
+#[macro_export]
+macro_rules! per_gpu_backend {
+    ($($name:ident),* $(,)?) => {
         mod wgpu_backend {
             $(
                 #[test]

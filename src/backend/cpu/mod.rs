@@ -10,14 +10,14 @@
 //! products), `attention` and `gdn` the two mixer cores, `math` the vectorized exp and the
 //! activations built on it.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use rayon::prelude::*;
 
 use super::{
     AttnParams, Backend, BackendError, Fold, GdnParams, GdnWeights, KvTypes, WeightSource,
 };
-use crate::quant::{self, hadamard::GdnPermutation, hadamard::HadamardConfig};
+use crate::quant::{self, hadamard::HadamardConfig};
 use crate::tensor::GgmlType;
 use math::{sigmoid, silu};
 
@@ -27,57 +27,79 @@ mod gemm;
 mod math;
 
 #[derive(Default)]
-pub struct CpuBackend {
-    /// The last folded matmul input and its transform: q/k/v, qkv/gate and ffn gate/up each
-    /// share one input, so the transform runs once per activation rather than once per weight.
-    fold_memo: Mutex<Option<FoldMemo>>,
-}
+pub struct CpuBackend;
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend::default()
+        CpuBackend
     }
+}
 
-    /// `x` with `fold`'s forward rule applied to every row, from the memo when the last folded
-    /// input was the same fold on the same values.
-    fn folded_input(&self, fold: &Fold, x: &Tensor) -> Arc<Vec<f32>> {
-        let lock = || self.fold_memo.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(m) = lock().as_ref().filter(|m| m.holds(fold, x)) {
-            return m.output.clone();
+/// `x` with `fold`'s forward rule applied to every row.
+fn folded_input(fold: &Fold, x: &Tensor) -> Vec<f32> {
+    let mut t = x.data.clone();
+    t.par_chunks_mut(x.cols)
+        .for_each_init(Vec::new, |scratch, row| fold.apply(row, scratch));
+    t
+}
+
+/// Whether two folds transform an input the same way.
+fn same_fold(a: &Fold, b: &Fold) -> bool {
+    Arc::ptr_eq(&a.hadamard, &b.hadamard) && a.perm == b.perm
+}
+
+/// `y[r] = W · x[r]` for every row of `x` (already in the weight's folded basis).
+fn product(w: &Weight, x: &[f32]) -> Tensor {
+    let (k, n_out) = (w.ne0, w.rows);
+    let n_tok = x.len() / k;
+    let mut out = Tensor::zeros(n_tok, n_out);
+    if let Some(d) = &w.dense {
+        for (xt, ot) in x.chunks_exact(k).zip(out.data.chunks_exact_mut(n_out)) {
+            for (o, dr) in ot.iter_mut().zip(d.chunks_exact(k)) {
+                *o = dot(dr, xt);
+            }
         }
-        let mut t = x.data.clone();
-        t.par_chunks_mut(x.cols)
-            .for_each_init(Vec::new, |scratch, row| fold.apply(row, scratch));
-        let output = Arc::new(t);
-        *lock() = Some(FoldMemo {
-            hadamard: fold.hadamard.clone(),
-            perm: fold.perm,
-            cols: x.cols,
-            input: x.data.clone(),
-            output: output.clone(),
-        });
-        output
+    } else if n_tok == 1 {
+        // One token: stream each stored row through its dot kernel.
+        out.data
+            .par_chunks_mut(ROW_CHUNK)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                for (i, o) in chunk.iter_mut().enumerate() {
+                    *o = quant::dot_row(w.ty, w.row_data(c * ROW_CHUNK + i), x);
+                }
+            });
+    } else if n_tok <= SMALL_BATCH {
+        // A few tokens (a batch of decoding sequences, drafts to verify): stream each stored
+        // row once through the multi-token kernel, each token's sum exactly `dot_row`'s.
+        let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
+        let mut out_t = vec![0f32; n_out * n_tok];
+        out_t
+            .par_chunks_mut(ROW_CHUNK * n_tok)
+            .enumerate()
+            .for_each(|(c, chunk)| {
+                for (i, o) in chunk.chunks_exact_mut(n_tok).enumerate() {
+                    let row = w.row_data(c * ROW_CHUNK + i);
+                    match *xs.as_slice() {
+                        [a, b] => o.copy_from_slice(&quant::dot_rows(w.ty, row, [a, b])),
+                        [a, b, c] => o.copy_from_slice(&quant::dot_rows(w.ty, row, [a, b, c])),
+                        [a, b, c, d] => {
+                            o.copy_from_slice(&quant::dot_rows(w.ty, row, [a, b, c, d]))
+                        }
+                        _ => unreachable!("2 to SMALL_BATCH tokens"),
+                    }
+                }
+            });
+        for (r, o) in out_t.chunks_exact(n_tok).enumerate() {
+            for (t, &v) in o.iter().enumerate() {
+                out.data[t * n_out + r] = v;
+            }
+        }
+    } else {
+        // Many tokens: dequantized weight tiles times every token row.
+        gemm::matmul(w.ty, w.src.bytes(), w.row_bytes, n_out, x, k, &mut out.data);
     }
-}
-
-/// A transformed matmul input, keyed by the fold and a copy of the input values: a key that is
-/// compared by value cannot go stale.
-struct FoldMemo {
-    hadamard: Arc<HadamardConfig>,
-    perm: Option<GdnPermutation>,
-    cols: usize,
-    input: Vec<f32>,
-    output: Arc<Vec<f32>>,
-}
-
-impl FoldMemo {
-    fn holds(&self, fold: &Fold, x: &Tensor) -> bool {
-        Arc::ptr_eq(&self.hadamard, &fold.hadamard)
-            && self.perm == fold.perm
-            && self.cols == x.cols
-            && bytemuck::cast_slice::<f32, u32>(&self.input)
-                == bytemuck::cast_slice::<f32, u32>(&x.data)
-    }
+    out
 }
 
 /// A row-major `[rows, cols]` activation.
@@ -448,64 +470,44 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, w: &Weight, x: &Tensor) -> Tensor {
         assert_eq!(x.cols, w.ne0, "matmul {}: input width", w.src.name());
-        let folded;
-        let x = match &w.fold {
-            None => &x.data,
-            Some(fold) => {
-                folded = self.folded_input(fold, x);
-                &*folded
-            }
-        };
-        let (k, n_out) = (w.ne0, w.rows);
-        let n_tok = x.len() / k;
-        let mut out = Tensor::zeros(n_tok, n_out);
-        if let Some(d) = &w.dense {
-            for (xt, ot) in x.chunks_exact(k).zip(out.data.chunks_exact_mut(n_out)) {
-                for (o, dr) in ot.iter_mut().zip(d.chunks_exact(k)) {
-                    *o = dot(dr, xt);
-                }
-            }
-        } else if n_tok == 1 {
-            // One token: stream each stored row through its dot kernel.
-            out.data
-                .par_chunks_mut(ROW_CHUNK)
-                .enumerate()
-                .for_each(|(c, chunk)| {
-                    for (i, o) in chunk.iter_mut().enumerate() {
-                        *o = quant::dot_row(w.ty, w.row_data(c * ROW_CHUNK + i), x);
-                    }
-                });
-        } else if n_tok <= SMALL_BATCH {
-            // A few tokens (a batch of decoding sequences, drafts to verify): stream each stored
-            // row once through the multi-token kernel, each token's sum exactly `dot_row`'s.
-            let xs: Vec<&[f32]> = x.chunks_exact(k).collect();
-            let mut out_t = vec![0f32; n_out * n_tok];
-            out_t
-                .par_chunks_mut(ROW_CHUNK * n_tok)
-                .enumerate()
-                .for_each(|(c, chunk)| {
-                    for (i, o) in chunk.chunks_exact_mut(n_tok).enumerate() {
-                        let row = w.row_data(c * ROW_CHUNK + i);
-                        match *xs.as_slice() {
-                            [a, b] => o.copy_from_slice(&quant::dot_rows(w.ty, row, [a, b])),
-                            [a, b, c] => o.copy_from_slice(&quant::dot_rows(w.ty, row, [a, b, c])),
-                            [a, b, c, d] => {
-                                o.copy_from_slice(&quant::dot_rows(w.ty, row, [a, b, c, d]))
-                            }
-                            _ => unreachable!("2 to SMALL_BATCH tokens"),
-                        }
-                    }
-                });
-            for (r, o) in out_t.chunks_exact(n_tok).enumerate() {
-                for (t, &v) in o.iter().enumerate() {
-                    out.data[t * n_out + r] = v;
-                }
-            }
-        } else {
-            // Many tokens: dequantized weight tiles times every token row.
-            gemm::matmul(w.ty, w.src.bytes(), w.row_bytes, n_out, x, k, &mut out.data);
+        match &w.fold {
+            None => product(w, &x.data),
+            Some(fold) => product(w, &folded_input(fold, x)),
         }
-        out
+    }
+
+    fn matmul_many(&self, ws: &[&Weight], x: &Tensor) -> Vec<Tensor> {
+        let mut folded: Vec<(&Fold, Vec<f32>)> = Vec::new();
+        ws.iter()
+            .map(|w| {
+                assert_eq!(x.cols, w.ne0, "matmul {}: input width", w.src.name());
+                let Some(f) = &w.fold else {
+                    return product(w, &x.data);
+                };
+                let i = match folded.iter().position(|(g, _)| same_fold(g, f)) {
+                    Some(i) => i,
+                    None => {
+                        folded.push((f, folded_input(f, x)));
+                        folded.len() - 1
+                    }
+                };
+                product(w, &folded[i].1)
+            })
+            .collect()
+    }
+
+    fn gather_rows(&self, t: &Tensor, runs: &[(usize, usize)]) -> Tensor {
+        let rows: usize = runs.iter().map(|r| r.1).sum();
+        let mut data = Vec::with_capacity(rows * t.cols);
+        for &(start, n) in runs {
+            assert!(start + n <= t.rows, "rows {start}..{} of {}", start + n, t.rows);
+            data.extend_from_slice(&t.data[start * t.cols..(start + n) * t.cols]);
+        }
+        Tensor {
+            data,
+            rows,
+            cols: t.cols,
+        }
     }
 
     fn add_assign(&self, x: &mut Tensor, y: &Tensor) {

@@ -1,5 +1,6 @@
-//! The CUDA device: one context and one stream, the module cache (NVRTC at first use), a pool of
-//! device buffers, a pinned upload ring, and kernel launches.
+//! The CUDA device under the GPU op layer (`backend::gpu::Device`): one context and one stream,
+//! the module cache (NVRTC at first use, one module per `Kernel`), a pinned upload ring, and
+//! kernel launches.
 //!
 //! Everything is ordered by the one stream: ops enqueue launches and copies and never wait.
 //! The host waits only where it reads (`read`: sampled ids, requested logits). A pooled buffer
@@ -24,13 +25,16 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::emu::{Emu, EmuFn, HostMem};
-use super::kernels::{self, ModuleKey, Target};
+use super::kernels::{self, Target};
+use crate::backend::gpu::{self, AllocRule, Caps, Grid, Kernel as GpuKernel, Scalar, View};
 use crate::backend::BackendError;
 
 /// Bytes of the pinned upload ring.
 const RING_BYTES: usize = 8 << 20;
-/// Alignment of ring slots and smallest pooled buffer.
+/// Alignment of ring slots.
 const ALIGN: usize = 256;
+/// Static shared memory a block may use without opting in to more.
+const STATIC_SHARED_BYTES: u32 = 48 << 10;
 
 fn unavailable(why: impl Into<String>) -> BackendError {
     BackendError::Unavailable("cuda".into(), why.into())
@@ -72,36 +76,6 @@ impl DBuf {
     }
 }
 
-/// A device buffer on loan from the pool; it goes back when dropped.
-pub struct PBuf {
-    mem: Option<Mem>,
-    ptr: u64,
-    pub size: usize,
-    pool: Arc<Mutex<Pool>>,
-}
-
-impl PBuf {
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-}
-
-impl Drop for PBuf {
-    fn drop(&mut self) {
-        if let Some(m) = self.mem.take() {
-            if let Ok(mut p) = self.pool.lock() {
-                p.free.entry(self.size).or_default().push((m, self.ptr));
-            }
-        }
-    }
-}
-
-#[derive(Default)]
-struct Pool {
-    free: HashMap<usize, Vec<(Mem, u64)>>,
-    allocated: u64,
-}
-
 /// Pinned host memory copies go up from, used as a ring.
 struct Ring {
     host: *mut u8,
@@ -128,7 +102,7 @@ impl Drop for Ring {
     }
 }
 
-/// One kernel argument.
+/// One kernel argument as the driver and the emulator take it.
 #[derive(Copy, Clone, Debug)]
 pub enum Arg {
     /// A device pointer (0 for an unused one).
@@ -148,7 +122,7 @@ pub enum Kernel {
 struct Cuda {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    modules: Mutex<HashMap<ModuleKey, Arc<CudaModule>>>,
+    modules: Mutex<HashMap<GpuKernel, Arc<CudaModule>>>,
     ring: Mutex<Ring>,
 }
 
@@ -180,8 +154,8 @@ pub struct Device {
     pub nvrtc_version: (i32, i32),
     /// What NVRTC compiles the kernels to on this device (`None` in the emulator).
     pub target: Option<Target>,
-    functions: Mutex<HashMap<(ModuleKey, &'static str), Kernel>>,
-    pool: Arc<Mutex<Pool>>,
+    functions: Mutex<HashMap<GpuKernel, Kernel>>,
+    caps: Caps,
 }
 
 /// Whether a CUDA device can be opened here; the reason when not. Never panics: the driver
@@ -285,7 +259,11 @@ impl Device {
             nvrtc_version,
             target: Some(target),
             functions: Mutex::new(HashMap::new()),
-            pool: Arc::new(Mutex::new(Pool::default())),
+            caps: Caps {
+                max_binding: u64::MAX,
+                shared_bytes: STATIC_SHARED_BYTES,
+                native_f16: false,
+            },
         })
     }
 
@@ -302,7 +280,11 @@ impl Device {
             nvrtc_version: (0, 0),
             target: None,
             functions: Mutex::new(HashMap::new()),
-            pool: Arc::new(Mutex::new(Pool::default())),
+            caps: Caps {
+                max_binding: u64::MAX,
+                shared_bytes: STATIC_SHARED_BYTES,
+                native_f16: false,
+            },
         })
     }
 
@@ -353,23 +335,24 @@ impl Device {
         Ok((f as u64, t as u64))
     }
 
-    /// Kernel `entry` of module `key`, compiling and loading the module the first time.
-    pub fn function(&self, key: &ModuleKey, entry: &'static str) -> Kernel {
-        let fkey = (key.clone(), entry);
-        if let Some(f) = self.functions.lock().unwrap().get(&fkey) {
+    /// The compiled `kernel`, built and loaded the first time: its module is its file with its
+    /// constants, its one entry point is named after the file.
+    fn function(&self, kernel: GpuKernel) -> Kernel {
+        if let Some(f) = self.functions.lock().unwrap().get(&kernel) {
             return f.clone();
         }
+        let entry = kernel.spec().file;
         let f = match &self.engine {
-            Engine::Emu(e) => Kernel::Emu(e.function(key, entry)),
+            Engine::Emu(e) => Kernel::Emu(e.function(kernel)),
             Engine::Cuda(c) => {
                 let target = self.target.expect("a CUDA device has a target");
                 let module = {
                     let mut modules = c.modules.lock().unwrap();
-                    match modules.get(key) {
+                    match modules.get(&kernel) {
                         Some(m) => m.clone(),
                         None => {
-                            let k = kernels::compile(key, target)
-                                .unwrap_or_else(|e| panic!("cuda: compiling {key}: {e}"));
+                            let k = kernels::compile(kernel, target)
+                                .unwrap_or_else(|e| panic!("cuda: compiling {kernel}: {e}"));
                             let image = match k.target {
                                 Target::Cubin(_) => Ptx::from_binary(k.image),
                                 Target::Ptx(_) => Ptx::from_src(
@@ -377,9 +360,9 @@ impl Device {
                                 ),
                             };
                             let m = c.ctx.load_module(image).unwrap_or_else(|e| {
-                                panic!("cuda: loading {key} ({}): {e}", k.target)
+                                panic!("cuda: loading {kernel} ({}): {e}", k.target)
                             });
-                            modules.insert(key.clone(), m.clone());
+                            modules.insert(kernel, m.clone());
                             m
                         }
                     }
@@ -387,16 +370,16 @@ impl Device {
                 Kernel::Cuda(
                     module
                         .load_function(entry)
-                        .unwrap_or_else(|e| panic!("cuda: {key} has no kernel {entry}: {e}")),
+                        .unwrap_or_else(|e| panic!("cuda: {kernel} has no kernel {entry}: {e}")),
                 )
             }
         };
-        self.functions.lock().unwrap().insert(fkey, f.clone());
+        self.functions.lock().unwrap().insert(kernel, f.clone());
         f
     }
 
     /// Enqueues one launch: `grid` blocks of `block` threads, static shared memory only.
-    pub fn launch(&self, f: &Kernel, grid: (u32, u32, u32), block: u32, args: &[Arg]) {
+    fn launch_raw(&self, f: &Kernel, grid: (u32, u32, u32), block: u32, args: &[Arg]) {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return;
         }
@@ -417,8 +400,8 @@ impl Device {
                     shared_mem_bytes: 0,
                 };
                 // SAFETY: the argument list matches the kernel's signature (each op passes the
-                // parameters of its .cu entry point in order) and every pointer is a live
-                // device allocation of the sizes the op checked.
+                // buffers and then the scalars of its .cu entry point in order) and every
+                // pointer is a live device allocation of the sizes the op checked.
                 unsafe { b.launch(cfg) }.expect("cuda: kernel launch");
             }
             _ => unreachable!("a kernel runs on the device that built it"),
@@ -453,11 +436,6 @@ impl Device {
         }
     }
 
-    fn raw_alloc(&self, bytes: usize) -> (Mem, u64) {
-        self.try_raw_alloc(bytes, false)
-            .unwrap_or_else(|e| panic!("cuda: {e}"))
-    }
-
     /// A device allocation of exactly `bytes` (at least 4), outside the pool, or the driver's
     /// refusal.
     pub fn try_alloc_exact(&self, bytes: usize) -> Result<DBuf, BackendError> {
@@ -465,55 +443,10 @@ impl Device {
         Ok(DBuf { mem, ptr })
     }
 
-    /// A device allocation of exactly `bytes` (at least 4), outside the pool.
-    pub fn alloc_exact(&self, bytes: usize) -> DBuf {
-        let (mem, ptr) = self.raw_alloc(bytes.max(4));
-        DBuf { mem, ptr }
-    }
-
-    /// `alloc_exact` filled with zeros.
-    pub fn zeros(&self, bytes: usize) -> DBuf {
-        let (mem, ptr) = self
-            .try_raw_alloc(bytes.max(4), true)
-            .unwrap_or_else(|e| panic!("cuda: {e}"));
-        DBuf { mem, ptr }
-    }
-
-    /// A pooled buffer of at least `bytes` (rounded up to a power of two, at least 256).
-    pub fn alloc(&self, bytes: usize) -> PBuf {
-        let size = bytes.max(ALIGN).next_power_of_two();
-        let hit = self
-            .pool
-            .lock()
-            .unwrap()
-            .free
-            .get_mut(&size)
-            .and_then(Vec::pop);
-        let (mem, ptr) = match hit {
-            Some(b) => b,
-            None => {
-                let b = self.raw_alloc(size);
-                self.pool.lock().unwrap().allocated += size as u64;
-                b
-            }
-        };
-        PBuf {
-            mem: Some(mem),
-            ptr,
-            size,
-            pool: self.pool.clone(),
-        }
-    }
-
-    /// Bytes held by the pool (in use or free), for the memory ledger.
-    pub fn pooled_bytes(&self) -> u64 {
-        self.pool.lock().unwrap().allocated
-    }
-
     /// Copies `data` to device address `dst`, in stream order and without waiting: through
     /// the pinned ring when it fits half of it, else synchronously from `data` (weights at load
     /// time, very large host tensors).
-    pub fn write(&self, dst: u64, data: &[u8]) {
+    pub fn write_ptr(&self, dst: u64, data: &[u8]) {
         if data.is_empty() {
             return;
         }
@@ -566,13 +499,6 @@ impl Device {
         ring.head = end;
     }
 
-    /// A pooled buffer holding `data`.
-    pub fn upload(&self, data: &[u8]) -> PBuf {
-        let b = self.alloc(data.len());
-        self.write(b.ptr, data);
-        b
-    }
-
     /// A buffer of its own holding `data` (weights), copied synchronously; `Err` when the
     /// device cannot hold it.
     pub fn upload_exact(&self, data: &[u8]) -> Result<DBuf, BackendError> {
@@ -581,7 +507,7 @@ impl Device {
             return Ok(b);
         }
         match &self.engine {
-            Engine::Emu(_) => self.write(b.ptr, data),
+            Engine::Emu(_) => self.write_ptr(b.ptr, data),
             Engine::Cuda(c) => {
                 let c = c.bound();
                 // SAFETY: the allocation holds data.len() bytes.
@@ -594,7 +520,7 @@ impl Device {
     }
 
     /// Device-to-device copy, in stream order.
-    pub fn copy(&self, src: u64, dst: u64, bytes: usize) {
+    pub fn copy_ptr(&self, src: u64, dst: u64, bytes: usize) {
         if bytes == 0 {
             return;
         }
@@ -612,7 +538,7 @@ impl Device {
 
     /// Copies `bytes` at device address `src` back to the host once the queued work is done:
     /// the only place the host waits for the device.
-    pub fn read(&self, src: u64, bytes: usize) -> Vec<u8> {
+    pub fn read_ptr(&self, src: u64, bytes: usize) -> Vec<u8> {
         let mut out = vec![0u8; bytes];
         if bytes == 0 {
             return out;
@@ -632,13 +558,6 @@ impl Device {
         out
     }
 
-    pub fn read_f32(&self, src: u64, n: usize) -> Vec<f32> {
-        self.read(src, n * 4)
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    }
-
     /// Waits for everything queued (benchmarks).
     pub fn synchronize(&self) {
         if let Some(c) = self.cuda() {
@@ -649,14 +568,14 @@ impl Device {
     /// Device-to-device copy bandwidth in GB/s (bytes read plus bytes written per second),
     /// measured with events over `reps` copies of `bytes`: the bench's roofline.
     pub fn copy_bandwidth(&self, bytes: usize, reps: usize) -> f64 {
-        let a = self.alloc_exact(bytes);
-        let b = self.alloc_exact(bytes);
-        self.copy(a.ptr, b.ptr, bytes);
+        let a = self.try_alloc_exact(bytes).expect("cuda: bandwidth buffer");
+        let b = self.try_alloc_exact(bytes).expect("cuda: bandwidth buffer");
+        self.copy_ptr(a.ptr, b.ptr, bytes);
         let Some(c) = self.cuda() else {
             let t = std::time::Instant::now();
             for i in 0..reps {
                 let (s, d) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
-                self.copy(s.ptr, d.ptr, bytes);
+                self.copy_ptr(s.ptr, d.ptr, bytes);
             }
             return (2 * bytes * reps) as f64 / t.elapsed().as_secs_f64() / 1e9;
         };
@@ -671,7 +590,7 @@ impl Device {
         start.record(&c.stream).expect("cuda: event record");
         for i in 0..reps {
             let (s, d) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
-            self.copy(s.ptr, d.ptr, bytes);
+            self.copy_ptr(s.ptr, d.ptr, bytes);
         }
         end.record(&c.stream).expect("cuda: event record");
         end.synchronize().expect("cuda: event");
@@ -683,4 +602,102 @@ impl Device {
 /// Blocks needed for `n` items at `per` items each.
 pub fn blocks(n: usize, per: usize) -> u32 {
     u32::try_from(n.div_ceil(per)).expect("grid larger than 2^32 blocks")
+}
+
+/// Threads per block and logical workgroups per block of a kernel's launch. Every kernel runs
+/// its WGSL twin's workgroup as one block, except `matmul_vec`, which gives each (row, token
+/// group) one warp and packs `VEC_WARPS` of them into a block.
+fn launch_shape(kernel: GpuKernel) -> (u32, usize) {
+    match kernel {
+        GpuKernel::MatmulVec { .. } => (32 * VEC_WARPS, VEC_WARPS as usize),
+        k => (k.spec().wg, 1),
+    }
+}
+
+/// Warps, each one output row and token group, per `matmul_vec` block (`WARPS` in the .cu).
+pub const VEC_WARPS: u32 = 4;
+
+fn view_ptr(v: &View<'_, DBuf>) -> u64 {
+    v.mem.ptr + v.offset
+}
+
+impl gpu::Device for Device {
+    type Mem = DBuf;
+    const NAME: &'static str = "cuda";
+
+    fn caps(&self) -> &Caps {
+        &self.caps
+    }
+
+    fn alloc_rule(&self) -> AllocRule {
+        gpu::cuda_alloc_rule()
+    }
+
+    fn describe(&self) -> String {
+        Device::describe(self)
+    }
+
+    fn alloc(&self, bytes: u64) -> Result<DBuf, BackendError> {
+        self.try_alloc_exact(bytes as usize)
+    }
+
+    fn upload_new(&self, data: &[u8]) -> Result<DBuf, BackendError> {
+        self.upload_exact(data)
+    }
+
+    fn write(&self, dst: &DBuf, data: &[u8]) {
+        assert!(data.len() <= dst.size(), "cuda: write past an allocation");
+        self.write_ptr(dst.ptr, data);
+    }
+
+    fn zero(&self, dst: &DBuf) {
+        match &self.engine {
+            // SAFETY: the whole live host allocation.
+            Engine::Emu(_) => unsafe { std::ptr::write_bytes(dst.ptr as *mut u8, 0, dst.size()) },
+            Engine::Cuda(c) => {
+                let c = c.bound();
+                // SAFETY: the whole allocation, on our stream.
+                unsafe { dres::memset_d8_async(dst.ptr, 0, dst.size(), c.stream.cu_stream()) }
+                    .expect("cuda: memset");
+            }
+        }
+    }
+
+    fn size(&self, mem: &DBuf) -> u64 {
+        mem.size() as u64
+    }
+
+    fn copy(&self, src: &DBuf, src_off: u64, dst: &DBuf, dst_off: u64, bytes: u64) {
+        assert!(
+            src_off + bytes <= src.size() as u64 && dst_off + bytes <= dst.size() as u64,
+            "cuda: copy past an allocation"
+        );
+        self.copy_ptr(src.ptr + src_off, dst.ptr + dst_off, bytes as usize);
+    }
+
+    fn read(&self, src: &DBuf, offset: u64, bytes: u64) -> Vec<u8> {
+        assert!(
+            offset + bytes <= src.size() as u64,
+            "cuda: read past an allocation"
+        );
+        self.read_ptr(src.ptr + offset, bytes as usize)
+    }
+
+    fn launch(&self, kernel: GpuKernel, grid: Grid, bufs: &[View<'_, DBuf>], scalars: &[Scalar]) {
+        let (block, per_block) = launch_shape(kernel);
+        let grid = match grid {
+            Grid::Linear(n) => (blocks(n, per_block), 1, 1),
+            Grid::Dims([x, y, z]) => (x, y, z),
+        };
+        let f = self.function(kernel);
+        let args: Vec<Arg> = bufs
+            .iter()
+            .map(|v| Arg::P(view_ptr(v)))
+            .chain(scalars.iter().map(|s| match *s {
+                Scalar::U(u) => Arg::U(u),
+                Scalar::F(x) => Arg::F(x),
+            }))
+            .collect();
+        self.launch_raw(&f, grid, block, &args);
+    }
 }

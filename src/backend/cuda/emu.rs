@@ -18,7 +18,8 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 
 use super::device::Arg;
-use super::kernels::{self, ModuleKey};
+use super::kernels;
+use crate::backend::gpu::Kernel;
 use crate::backend::BackendError;
 
 const HEADER: &str = include_str!("../../../cuda/emu/cuda_emu.h");
@@ -104,7 +105,7 @@ unsafe impl Sync for EmuFn {}
 pub struct Emu {
     cxx: String,
     dir: PathBuf,
-    modules: Mutex<HashMap<ModuleKey, Arc<Module>>>,
+    modules: Mutex<HashMap<Kernel, Arc<Module>>>,
 }
 
 /// FNV-1a over the parts that make a module: the cache key of its library.
@@ -156,8 +157,8 @@ impl Emu {
         &self.cxx
     }
 
-    fn flags(key: &ModuleKey) -> Vec<String> {
-        let mut f: Vec<String> = [
+    fn flags() -> Vec<String> {
+        [
             "-std=c++17",
             "-O2",
             "-fPIC",
@@ -170,23 +171,19 @@ impl Emu {
         ]
         .iter()
         .map(|s| s.to_string())
-        .collect();
-        for (k, v) in &key.defines {
-            f.push(format!("-D{k}={v}"));
-        }
-        f
+        .collect()
     }
 
-    fn build(&self, key: &ModuleKey) -> Result<Module, String> {
-        let src = kernels::source(key.file);
-        let flags = Self::flags(key);
+    fn build(&self, key: Kernel) -> Result<Module, String> {
+        let src = kernels::source(key);
+        let flags = Self::flags();
         let hash = fnv(&[
             HEADER.as_bytes(),
             src.as_bytes(),
             flags.join(" ").as_bytes(),
             self.cxx.as_bytes(),
         ]);
-        let stem = format!("{}-{hash:016x}", key.file);
+        let stem = format!("{}-{hash:016x}", key.spec().file);
         let so = self.dir.join(format!("{stem}.so"));
         if !so.exists() {
             let header = self
@@ -230,18 +227,19 @@ impl Emu {
         Ok(Module { _lib: lib, launch })
     }
 
-    /// Kernel `entry` of module `key`, building the module the first time.
-    pub fn function(&self, key: &ModuleKey, entry: &'static str) -> EmuFn {
+    /// The entry point of `key`'s module, building the module the first time.
+    pub fn function(&self, key: Kernel) -> EmuFn {
+        let entry = key.spec().file;
         let module = {
             let mut m = self.modules.lock().unwrap();
-            match m.get(key) {
+            match m.get(&key) {
                 Some(x) => x.clone(),
                 None => {
                     let x = Arc::new(
                         self.build(key)
                             .unwrap_or_else(|e| panic!("cuda emulator: {e}")),
                     );
-                    m.insert(key.clone(), x.clone());
+                    m.insert(key, x.clone());
                     x
                 }
             }

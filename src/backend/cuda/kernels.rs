@@ -1,16 +1,15 @@
 //! The CUDA kernel sources (`cuda/*.cu`, one op each, ported from `shaders/*.wgsl`) and their
 //! compilation with NVRTC.
 //!
-//! A *module* is one `.cu` file compiled with a set of `-D` defines (the cache dtypes of
-//! `attn_split`, the head size of `gdn_step` / `gdn_chunk_scan`); the other files are compiled
-//! as they are, each holding its per-dtype variants as separate `extern "C"` entry points.
-//! `#include "common.cuh"` is replaced by that file's text here, so NVRTC needs no include path
-//! and no CUDA header at run time.
+//! A module is one [`Kernel`]: its file with its constants (`backend::gpu::kernels`, the same
+//! table the WGSL and the host read) written as `#define`s at the top, and one entry point
+//! named after the file. `#include "common.cuh"` is replaced by that file's text here, so NVRTC
+//! needs no include path and no CUDA header at run time.
 //!
-//! The device compiles a module the first time one of its kernels runs, for its own
-//! architecture (a cubin when NVRTC knows the architecture, else PTX for the newest one NVRTC
-//! knows, which the driver then compiles). `tests/cuda_kernels.rs` compiles every module for
-//! sm_86 and sm_90 without a GPU (NVRTC to PTX, then `ptxas`), failing on any warning.
+//! The device compiles a module the first time its kernel runs, for its own architecture (a
+//! cubin when NVRTC knows the architecture, else PTX for the newest one NVRTC knows, which the
+//! driver then compiles). `tests/cuda_kernels.rs` compiles every module for sm_86 and sm_90
+//! without a GPU (NVRTC to PTX, then `ptxas`), failing on any warning.
 //!
 //! This module needs only NVRTC (`libnvrtc.so.12`), not the driver.
 
@@ -19,202 +18,92 @@ use std::fmt;
 
 use cudarc::nvrtc::{result, sys};
 
-use crate::tensor::GgmlType;
+use super::device::VEC_WARPS;
+use crate::backend::gpu::kernels::{cuda_defines, Kernel};
 
 /// `cuda/common.cuh`: types, float conversions, the weight decoders.
 pub const COMMON: &str = include_str!("../../../cuda/common.cuh");
 
-/// One kernel file: its stem, source, and the entry points it defines.
-pub struct KernelFile {
-    pub name: &'static str,
-    pub source: &'static str,
-    pub entries: &'static [&'static str],
-}
-
-macro_rules! kernel_file {
-    ($name:literal, [$($e:expr),* $(,)?]) => {
-        KernelFile {
-            name: $name,
-            source: include_str!(concat!("../../../cuda/", $name, ".cu")),
-            entries: &[$($e),*],
-        }
+macro_rules! kernel_files {
+    ($($name:literal),* $(,)?) => {
+        /// Every kernel file in `cuda/`, by stem.
+        pub const FILES: &[(&str, &str)] = &[
+            $(($name, include_str!(concat!("../../../cuda/", $name, ".cu")))),*
+        ];
     };
 }
 
-macro_rules! per_weight_type {
-    ($name:literal) => {
-        kernel_file!(
-            $name,
-            [
-                concat!($name, "_f32"),
-                concat!($name, "_f16"),
-                concat!($name, "_bf16"),
-                concat!($name, "_q8_0"),
-                concat!($name, "_q4_0"),
-                concat!($name, "_pq2_0"),
-                concat!($name, "_ptq1_0"),
-            ]
-        )
-    };
-}
+kernel_files!(
+    "add",
+    "argmax",
+    "attn_combine",
+    "attn_prep",
+    "attn_split",
+    "concat_cols",
+    "embed",
+    "fwht",
+    "fwht_stage",
+    "gdn_chunk_prep",
+    "gdn_chunk_scan",
+    "gdn_conv",
+    "gdn_gated_norm",
+    "gdn_step",
+    "kv_store",
+    "matmul_tiled",
+    "matmul_vec",
+    "rms_norm",
+    "swiglu",
+    "topk",
+);
 
-/// Every kernel file, in `cuda/`.
-pub const FILES: &[KernelFile] = &[
-    kernel_file!("add", ["add"]),
-    kernel_file!("argmax", ["argmax"]),
-    kernel_file!("attn_combine", ["attn_combine"]),
-    kernel_file!("attn_prep", ["attn_prep"]),
-    kernel_file!(
-        "attn_split",
-        [
-            "attn_split_r1",
-            "attn_split_r2",
-            "attn_split_r4",
-            "attn_split_r8"
-        ]
-    ),
-    kernel_file!("concat_cols", ["concat_cols"]),
-    per_weight_type!("embed"),
-    kernel_file!("fwht", ["fwht"]),
-    kernel_file!("fwht_stage", ["fwht_stage"]),
-    kernel_file!("gdn_chunk_prep", ["gdn_chunk_prep"]),
-    kernel_file!("gdn_chunk_scan", ["gdn_chunk_scan"]),
-    kernel_file!("gdn_conv", ["gdn_conv"]),
-    kernel_file!("gdn_gated_norm", ["gdn_gated_norm"]),
-    kernel_file!("gdn_step", ["gdn_step"]),
-    kernel_file!(
-        "kv_store",
-        [
-            "kv_store_f32",
-            "kv_store_f16",
-            "kv_store_bf16",
-            "kv_store_q8_0",
-            "kv_store_q4_0"
-        ]
-    ),
-    per_weight_type!("matmul_tiled"),
-    per_weight_type!("matmul_vec"),
-    kernel_file!("rms_norm", ["rms_norm"]),
-    kernel_file!("swiglu", ["swiglu"]),
-    kernel_file!("topk", ["topk"]),
-];
-
-/// The kernel file named `name`.
-pub fn file(name: &str) -> &'static KernelFile {
+/// The text of `cuda/<stem>.cu`.
+pub fn file(stem: &str) -> &'static str {
     FILES
         .iter()
-        .find(|f| f.name == name)
-        .unwrap_or_else(|| panic!("no kernel file cuda/{name}.cu"))
+        .find(|(n, _)| *n == stem)
+        .map(|(_, s)| *s)
+        .unwrap_or_else(|| panic!("no kernel file cuda/{stem}.cu"))
 }
 
-/// The entry-point suffix of a weight decoder (`matmul_vec_<suffix>`), as common.cuh's
-/// `FOR_EACH_WEIGHT_TYPE` names them.
-pub fn weight_suffix(ty: GgmlType) -> &'static str {
-    match ty {
-        GgmlType::F32 => "f32",
-        GgmlType::F16 => "f16",
-        GgmlType::BF16 => "bf16",
-        GgmlType::Q8_0 => "q8_0",
-        GgmlType::Q4_0 => "q4_0",
-        GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => "pq2_0",
-        GgmlType::PTQ1_0 => "ptq1_0",
-        other => unreachable!("upload refuses {other}"),
-    }
-}
-
-/// The dtype code of a KV cache type (`K_TYPE` / `V_TYPE` of attn_split, as the WGSL).
-pub fn cache_code(ty: GgmlType) -> u32 {
-    match ty {
-        GgmlType::F32 => 0,
-        GgmlType::F16 => 1,
-        GgmlType::BF16 => 2,
-        GgmlType::Q8_0 => 3,
-        GgmlType::Q4_0 => 4,
-        _ => unreachable!("KvTypes::check admits only cache dtypes"),
-    }
-}
-
-/// One compiled unit: a kernel file and its defines.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct ModuleKey {
-    pub file: &'static str,
-    pub defines: Vec<(&'static str, u32)>,
-}
-
-impl ModuleKey {
-    pub fn plain(file: &'static str) -> ModuleKey {
-        ModuleKey {
-            file,
-            defines: Vec::new(),
-        }
-    }
-    pub fn with(file: &'static str, defines: &[(&'static str, u32)]) -> ModuleKey {
-        ModuleKey {
-            file,
-            defines: defines.to_vec(),
-        }
-    }
-}
-
-impl fmt::Display for ModuleKey {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.cu", self.file)?;
-        for (i, (k, v)) in self.defines.iter().enumerate() {
-            write!(f, "{}{k}={v}", if i == 0 { " -D" } else { ",-D" })?;
-        }
-        Ok(())
-    }
-}
-
-/// Head sizes the compile test instantiates `gdn_step` with (the model's 128 and the op tests'
-/// geometries); the backend compiles any other at first use the same way.
+/// Head sizes the compile test instantiates the GDN kernels with (the model's 128 and the op
+/// tests' geometries); the backend compiles any other at first use the same way.
 pub const GDN_D_CHECKED: &[u32] = &[16, 24, 32, 64, 128, 256];
 
-/// Every module the compile test checks: each plain file once, `attn_split` for every (K, V)
-/// cache dtype pair, and the GDN kernels for `GDN_D_CHECKED` (`gdn_chunk_scan` needs d % 16 == 0).
-pub fn all_modules() -> Vec<ModuleKey> {
-    let mut out = Vec::new();
-    for f in FILES {
-        match f.name {
-            "attn_split" => {
-                for k in 0..5 {
-                    for v in 0..5 {
-                        out.push(ModuleKey::with(f.name, &[("K_TYPE", k), ("V_TYPE", v)]));
-                    }
-                }
-            }
-            "gdn_step" | "gdn_chunk_scan" => {
-                for &d in GDN_D_CHECKED {
-                    if f.name == "gdn_chunk_scan" && d % 16 != 0 {
-                        continue;
-                    }
-                    out.push(ModuleKey::with(f.name, &[("D", d)]));
-                }
-            }
-            name => out.push(ModuleKey::plain(name)),
-        }
-    }
-    out
+/// Every module the compile test checks: each CUDA kernel of `Kernel::all` (the wgpu-only
+/// native-f16 matvec aside).
+pub fn all_modules() -> Vec<Kernel> {
+    Kernel::all(GDN_D_CHECKED)
+        .into_iter()
+        .filter(|k| *k != Kernel::MatmulVecF16)
+        .collect()
 }
 
-/// The source NVRTC compiles for a file: `#include "common.cuh"` replaced by common.cuh, with
-/// `#line` directives so that messages name the right file and line.
-pub fn source(name: &str) -> String {
-    let f = file(name);
-    let mut out = String::with_capacity(COMMON.len() + f.source.len() + 128);
+/// The source NVRTC compiles for a kernel: its constants as `#define`s, then its file with
+/// `#include "common.cuh"` replaced by common.cuh, with `#line` directives so that messages
+/// name the right file and line.
+pub fn source(kernel: Kernel) -> String {
+    let spec = kernel.spec();
+    let f = file(spec.file);
+    let mut out = String::with_capacity(COMMON.len() + f.len() + 512);
+    out.push_str(&format!("// {kernel}: constants of backend::gpu::kernels\n"));
+    out.push_str(&cuda_defines(&spec));
+    if let Kernel::MatmulVec { .. } = kernel {
+        out.push_str(&format!("#define WARPS {VEC_WARPS}u\n"));
+    }
+    out.push_str(&format!("#line 1 \"{}.cu\"\n", spec.file));
     let mut included = false;
-    for (i, line) in f.source.lines().enumerate() {
+    for (i, line) in f.lines().enumerate() {
         if line.trim() == "#include \"common.cuh\"" && !included {
             out.push_str("#line 1 \"common.cuh\"\n");
             out.push_str(COMMON);
-            out.push_str(&format!("\n#line {} \"{}.cu\"\n", i + 2, f.name));
+            out.push_str(&format!("\n#line {} \"{}.cu\"\n", i + 2, spec.file));
             included = true;
         } else {
             out.push_str(line);
             out.push('\n');
         }
     }
-    assert!(included, "cuda/{}.cu does not include common.cuh", f.name);
+    assert!(included, "cuda/{}.cu does not include common.cuh", spec.file);
     out
 }
 
@@ -236,20 +125,17 @@ impl fmt::Display for Target {
     }
 }
 
-/// The NVRTC options of a module: the architecture, C++17, its defines. No fast math: `expf`,
-/// `sqrtf` and division are the IEEE-accurate ones, as the CPU reference's.
-pub fn options(key: &ModuleKey, target: Target) -> Vec<String> {
-    let mut o = vec![
+/// The NVRTC options of a module: the architecture and C++17 (its constants are in its
+/// source). No fast math: `expf`, `sqrtf` and division are the IEEE-accurate ones, as the CPU
+/// reference's.
+pub fn options(target: Target) -> Vec<String> {
+    vec![
         match target {
             Target::Ptx(a) => format!("--gpu-architecture=compute_{a}"),
             Target::Cubin(a) => format!("--gpu-architecture=sm_{a}"),
         },
         "--std=c++17".to_string(),
-    ];
-    for (k, v) in &key.defines {
-        o.push(format!("-D{k}={v}"));
-    }
-    o
+    ]
 }
 
 /// A compiled module: PTX text (NUL-free) or a cubin, and NVRTC's log (warnings; empty when
@@ -314,10 +200,10 @@ fn c_text(v: &[c_char]) -> String {
 
 /// Compiles one module with NVRTC. `Err` carries the options and NVRTC's log. Call only when
 /// `nvrtc_present()`.
-pub fn compile(key: &ModuleKey, target: Target) -> Result<Compiled, String> {
-    let src = CString::new(source(key.file)).expect("kernel source has no NUL");
-    let name = CString::new(format!("{}.cu", key.file)).expect("no NUL");
-    let opts = options(key, target);
+pub fn compile(key: Kernel, target: Target) -> Result<Compiled, String> {
+    let src = CString::new(source(key)).expect("kernel source has no NUL");
+    let name = CString::new(format!("{}.cu", key.spec().file)).expect("no NUL");
+    let opts = options(target);
     let prog = result::create_program(&src, Some(&name))
         .map_err(|e| format!("{key}: nvrtcCreateProgram: {e:?}"))?;
     // SAFETY: `prog` is a live program until destroy_program below; src and name outlive it.

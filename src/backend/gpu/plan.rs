@@ -1,39 +1,18 @@
-//! What the two GPU backends (wgpu, cuda) share on the host: the contract of their kernels,
-//! which are ports of one another. The work split of the attention kernels and the constants
-//! compiled into them, the cache row layout, the geometry each kernel family accepts, and the
-//! launch plan of the Hadamard fold. Kept here once so the ports cannot drift apart.
+//! Plans and shape checks of the GPU ops: the work split of the attention kernels, the cache
+//! row layout, the geometry each kernel family accepts, and the launch plan of the Hadamard
+//! fold.
 
-use super::{AttnParams, BackendError, GdnParams, KvTypes};
+use super::kernels::consts::{FWHT_CHUNK, MAX_CHUNKS, MAX_HD, TARGET_GROUPS, TILE};
+use crate::backend::{AttnParams, BackendError, GdnParams, KvTypes};
 use crate::quant::hadamard::GdnPermutation;
 use crate::tensor::GgmlType;
 
-/// Largest head_dim the attention kernels hold in shared memory (`MAX_HD` in attn_prep).
-pub const MAX_HD: usize = 512;
-/// Positions scored per tile in `attn_split` (its group size); chunks are multiples of it.
-pub const TILE: usize = 64;
-/// Groups `attn_split` aims for before it stops splitting the positions.
-pub const TARGET_GROUPS: usize = 512;
-/// Most query vectors per `attn_split` group, and most query elements (`MAX_Q`).
-pub const MAX_R: usize = 8;
-pub const MAX_Q: usize = 2048;
-/// Most chunks per (row, head) (`MAX_CHUNKS` in attn_combine).
-pub const MAX_CHUNKS: usize = 256;
-/// Positions a new cache holds before it first grows (the engine reserves the window).
-pub const INITIAL_CAPACITY: usize = 256;
-/// Largest k of `topk_rows` (`KMAX` in topk).
-pub const TOPK_MAX: usize = 64;
-/// Items one top-k thread scans per pass.
-pub const TOPK_SEGMENT: usize = 1024;
-/// Width of the in-shared-memory FWHT; larger Hadamard blocks run as global stages.
-pub const FWHT_CHUNK: usize = 1024;
-/// Tokens per chunk of the chunked Gated DeltaNet.
-pub const GDN_CHUNK: usize = 64;
-
 /// (chunks, positions per chunk) for `tiles` query tiles over at most `n_ctx` positions.
 pub fn plan_chunks(tiles: usize, n_ctx: usize) -> (usize, usize) {
+    let tile = TILE as usize;
     let want = TARGET_GROUPS.div_ceil(tiles);
-    let n = want.clamp(1, n_ctx.div_ceil(TILE)).min(MAX_CHUNKS);
-    let len = n_ctx.div_ceil(n).div_ceil(TILE) * TILE;
+    let n = want.clamp(1, n_ctx.div_ceil(tile)).min(MAX_CHUNKS as usize);
+    let len = n_ctx.div_ceil(n).div_ceil(tile) * tile;
     (n_ctx.div_ceil(len), len)
 }
 
@@ -57,7 +36,7 @@ pub fn check_kv(p: &AttnParams, types: KvTypes) -> Result<usize, BackendError> {
             return Err(bad(format!("head_dim {hd} does not hold whole {t} blocks")));
         }
     }
-    if hd == 0 || hd > MAX_HD || p.n_rot > hd || !p.n_rot.is_multiple_of(2) {
+    if hd == 0 || hd > MAX_HD as usize || p.n_rot > hd || !p.n_rot.is_multiple_of(2) {
         return Err(bad(format!(
             "head_dim {hd} / n_rot {} outside the kernels' range (even, head_dim <= {MAX_HD})",
             p.n_rot
@@ -179,8 +158,8 @@ impl FoldPlan {
         if let Some(p) = &perm {
             assert_eq!(p.len(), width, "GDN permutation: length");
         }
-        let chunk = block.min(FWHT_CHUNK);
-        let whole = block <= FWHT_CHUNK;
+        let chunk = block.min(FWHT_CHUNK as usize);
+        let whole = block <= FWHT_CHUNK as usize;
         let mut flags = 0u32;
         if perm.is_some() {
             flags |= 1;
