@@ -234,7 +234,10 @@ fn kernel_files_are_registered() {
         .collect();
     used.sort();
     used.dedup();
-    assert_eq!(on_disk, used, "a kernel file no kernel uses, or a kernel without a file");
+    assert_eq!(
+        on_disk, used,
+        "a kernel file no kernel uses, or a kernel without a file"
+    );
     for key in kernels::all_modules() {
         let spec = key.spec();
         let src = kernels::source(key);

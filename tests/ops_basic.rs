@@ -1,4 +1,5 @@
-//! Op-level tests of the elementwise and row ops against the CPU reference, on every backend.
+//! Op-level tests of the elementwise and row ops against the CPU reference, on every GPU
+//! backend (the CPU's own: tests/ops_cpu.rs).
 
 mod common;
 
@@ -89,4 +90,4 @@ fn add_swiglu_concat<B: Backend>(be: &B) {
     }
 }
 
-per_backend!(rms_norm, add_swiglu_concat);
+per_gpu_backend!(rms_norm, add_swiglu_concat);

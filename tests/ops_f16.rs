@@ -28,4 +28,4 @@ fn f16_matvec<B: Backend>(be: &B) {
     }
 }
 
-per_backend!(f16_matvec);
+per_gpu_backend!(f16_matvec);

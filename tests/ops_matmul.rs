@@ -7,7 +7,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{assert_close, cpu, weight, with_fold, Rng};
+use common::{assert_close, cpu, hadamard, weight, with_fold, Rng};
 use tern::backend::gpu::{matmul::fold_input, Device, GpuBackend};
 use tern::backend::{Backend, Fold, WeightSource};
 use tern::gguf::{Gguf, GgufWriter, Value};
@@ -131,54 +131,6 @@ fn matmul_many_outputs<B: Backend>(be: &B) {
     for n_tok in [1, 5] {
         compare_matmul(be, "Q4_0", &w, n_tok, &mut rng, TOL);
     }
-}
-
-/// A valid `prism.hadamard` config with sign vectors (explicit mode) or without (identity) for
-/// `widths`; `widths[0]` is also the embedding width.
-fn hadamard(block: usize, widths: &[usize], explicit: bool, seed: u64) -> Arc<HadamardConfig> {
-    let mut rng = Rng(seed);
-    let mut g = GgufWriter::new();
-    g.set("general.architecture", Value::String("qwen35".into()));
-    g.set("prism.hadamard.version", Value::U32(1));
-    g.set("prism.hadamard.block_size", Value::U32(block as u32));
-    g.set(
-        "prism.hadamard.transform",
-        Value::String("normalized-sylvester-walsh-hadamard".into()),
-    );
-    g.set(
-        "prism.hadamard.axis",
-        Value::String("input-last-dimension".into()),
-    );
-    if explicit {
-        g.set("prism.hadamard.sign_mode", Value::String("explicit".into()));
-        let sw: Vec<i32> = widths.iter().map(|&w| w as i32).collect();
-        g.set("prism.hadamard.sign_widths", Value::i32_array(&sw));
-        let total: usize = widths.iter().sum();
-        let sv: Vec<i32> = (0..total)
-            .map(|_| if rng.below(2) == 0 { 1 } else { -1 })
-            .collect();
-        g.set("prism.hadamard.sign_values", Value::i32_array(&sv));
-    } else {
-        g.set("prism.hadamard.sign_mode", Value::String("identity".into()));
-    }
-    let names: Vec<String> = (0..widths.len())
-        .map(|i| format!("blk.{i}.ffn_down.weight"))
-        .collect();
-    g.set("prism.hadamard.weight_names", Value::str_array(&names));
-    g.set(
-        "prism.hadamard.inverse_weight_names",
-        Value::str_array(&["token_embd.weight"]),
-    );
-    for (name, &w) in names.iter().zip(widths) {
-        g.add_f32(name, &[w as u64, 2], &vec![0.0; 2 * w]);
-    }
-    g.add_f32(
-        "token_embd.weight",
-        &[widths[0] as u64, 2],
-        &vec![0.0; 2 * widths[0]],
-    );
-    let file = Gguf::from_bytes("hadamard.gguf", g.to_bytes()).unwrap();
-    Arc::new(HadamardConfig::from_gguf(&file).unwrap().expect("config"))
 }
 
 /// One folded-weight case: the config's block and the weight's width, explicit or identity

@@ -101,5 +101,8 @@ fn files_match_the_table() {
         .collect();
     used.sort();
     used.dedup();
-    assert_eq!(used, known, "a shader file no kernel uses, or a kernel without a file");
+    assert_eq!(
+        used, known,
+        "a shader file no kernel uses, or a kernel without a file"
+    );
 }

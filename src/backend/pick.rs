@@ -3,8 +3,8 @@
 use super::cpu::CpuBackend;
 #[cfg(feature = "cuda")]
 use super::cuda::CudaBackend;
-use super::wgpu::WgpuBackend;
 use super::gpu::Device as _;
+use super::wgpu::WgpuBackend;
 use super::BackendError;
 
 /// The backend a command runs on.

@@ -1,6 +1,6 @@
 //! The forward recipe of model-qwen35.md §3–§6, once, against the backend ops.
 
-use super::weights::{Layer, Mixer};
+use super::weights::{AttnWeights, GdnWeights as GdnLayer, Layer, Mixer};
 use super::{Model, ModelError, Output};
 use crate::backend::{Backend, GdnWeights, KvTypes};
 
@@ -125,39 +125,80 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    /// `x += Wo·attn(...)` for a full-attention mixer.
+    /// ATTN(h) of model-qwen35.md §3 for each sequence of the batch on its own cache:
+    /// q/k/v projected once for every row, the attention core per sequence, `Wo` once.
     fn attn_mixer(
         &self,
         be: &B,
-        layer: &Layer<B::W>,
+        a: &AttnWeights<B::W>,
         h: &B::T,
-        kv: &mut B::Kv,
-        pos0: usize,
+        batch: &Batch,
+        caches: &mut [(&mut B::Kv, usize)],
     ) -> B::T {
-        let Mixer::Attn(a) = &layer.mixer else {
-            unreachable!("attention layer with a GDN mixer")
-        };
-        let qg = be.matmul(&a.q, h);
-        let k = be.matmul(&a.k, h);
-        let v = be.matmul(&a.v, h);
-        let o = be.attention(
-            &self.cfg.attn_params(),
-            &qg,
-            &k,
-            &v,
-            &a.q_norm,
-            &a.k_norm,
-            kv,
-            pos0,
-        );
+        let qkv = be.matmul_many(&[&a.q, &a.k, &a.v], h);
+        let ap = self.cfg.attn_params();
+        let o = batch.per_seq(be, &qkv, |i, t| {
+            let (kv, pos0) = &mut caches[i];
+            be.attention(&ap, t[0], t[1], t[2], &a.q_norm, &a.k_norm, kv, *pos0)
+        });
         be.matmul(&a.o, &o)
     }
 
+    /// GDN(h) of model-qwen35.md §4 for each sequence of the batch on its own recurrent state:
+    /// the projections once for every row, the recurrence per sequence. A sequence that asks
+    /// for `snapshot` runs one row at a time and keeps the state after each row but the last
+    /// in its rollback cells (after the last row the live state is that state).
+    fn gdn_mixer(
+        &self,
+        be: &B,
+        g: &GdnLayer<B::W>,
+        h: &B::T,
+        batch: &Batch,
+        items: &mut [BatchItem<'_, B>],
+        il: usize,
+    ) -> B::T {
+        let proj = be.matmul_many(&[&g.qkv, &g.gate, &g.beta, &g.alpha], h);
+        let gp = self.cfg.gdn_params();
+        let w = GdnWeights {
+            conv: &g.conv,
+            dt_bias: &g.dt_bias,
+            ssm_a: &g.ssm_a,
+            norm: &g.norm,
+        };
+        let y = batch.per_seq(be, &proj, |i, t| {
+            let seq = &mut *items[i].seq;
+            let rs = seq.rs[il]
+                .as_mut()
+                .expect("a GDN layer has a recurrent state");
+            if !items[i].snapshot {
+                return be.gdn(&gp, t[0], t[1], t[2], t[3], &w, rs);
+            }
+            let n = batch.spans[i].1;
+            assert!(
+                seq.cells.get(il).is_some_and(|c| c.len() + 1 >= n),
+                "snapshot batch of {n} rows needs {} armed cells",
+                n.saturating_sub(1)
+            );
+            let mut rows = Vec::with_capacity(n);
+            for r in 0..n {
+                let row: Vec<B::T> = t.iter().map(|x| be.rows(x, r, 1)).collect();
+                let rs = seq.rs[il].as_mut().expect("recurrent state");
+                rows.push(be.gdn(&gp, &row[0], &row[1], &row[2], &row[3], &w, rs));
+                if r + 1 < n {
+                    let rs = seq.rs[il].as_ref().expect("recurrent state");
+                    be.recurrent_copy(rs, &mut seq.cells[il][r]);
+                }
+            }
+            be.concat_rows(&rows.iter().collect::<Vec<_>>())
+        });
+        be.matmul(&g.out, &y)
+    }
+
+    /// `x += FFN(rmsnorm(x) * post_attention_norm)`.
     fn ffn(&self, be: &B, layer: &Layer<B::W>, x: &mut B::T) {
         let h = be.rms_norm(x, &layer.post_attn_norm, self.cfg.eps);
-        let gate = be.matmul(&layer.ffn_gate, &h);
-        let up = be.matmul(&layer.ffn_up, &h);
-        let y = be.matmul(&layer.ffn_down, &be.swiglu(&gate, &up));
+        let gu = be.matmul_many(&[&layer.ffn_gate, &layer.ffn_up], &h);
+        let y = be.matmul(&layer.ffn_down, &be.swiglu(&gu[0], &gu[1]));
         be.add_assign(x, &y);
     }
 
@@ -183,16 +224,55 @@ impl<B: Backend> Model<B> {
             .expect("one output per item"))
     }
 
-    /// One step over several sequences at once: every matmul runs once over the rows of all
-    /// of them (so the weights are read once per step), attention and the recurrence run per
-    /// sequence on its own rows and state. Returns one output per item, in order.
+    /// One step over several sequences at once (model-qwen35.md §3): every matmul runs once
+    /// over the rows of all of them (so the weights are read once per step), attention and the
+    /// recurrence run per sequence on its own rows and state. Returns one output per item, in
+    /// order.
     pub fn forward_batch(
         &self,
         be: &B,
         items: &mut [BatchItem<'_, B>],
     ) -> Result<Vec<Output<B::T>>, ModelError> {
+        let batch = self.batch(items)?;
+        let eps = self.cfg.eps;
+        let mut x = be.embed(&self.w.token_embd, &batch.tokens);
+        for (il, layer) in self.w.layers.iter().enumerate() {
+            let h = be.rms_norm(&x, &layer.attn_norm, eps);
+            let mixed = match &layer.mixer {
+                Mixer::Attn(a) => {
+                    let mut caches: Vec<(&mut B::Kv, usize)> = items
+                        .iter_mut()
+                        .map(|it| {
+                            let pos0 = it.seq.pos;
+                            let kv = it.seq.kv[il].as_mut();
+                            (kv.expect("an attention layer has a KV cache"), pos0)
+                        })
+                        .collect();
+                    self.attn_mixer(be, a, &h, &batch, &mut caches)
+                }
+                Mixer::Gdn(g) => self.gdn_mixer(be, g, &h, &batch, items, il),
+            };
+            be.add_assign(&mut x, &mixed);
+            self.ffn(be, layer, &mut x);
+        }
+        for it in items.iter_mut() {
+            it.seq.pos += it.tokens.len();
+        }
+        // h_nextn for the rows each sequence wants, logits for the rows it wants them for.
+        let picks = batch.picks(items);
+        let x = picks.gather_h(be, x);
+        let h = be.rms_norm(&x, &self.w.output_norm, eps);
+        let hl = picks.gather_logits(be, &h);
+        let logits = be.matmul(&self.w.output, hl.as_ref().unwrap_or(&h));
+        Ok(picks.split(be, logits, h))
+    }
+
+    /// Checks a batch's items and lays their tokens out one after another.
+    fn batch(&self, items: &[BatchItem<'_, B>]) -> Result<Batch, ModelError> {
         assert!(!items.is_empty(), "forward of an empty batch");
-        for it in items.iter() {
+        let mut tokens = Vec::new();
+        let mut spans = Vec::with_capacity(items.len());
+        for it in items {
             self.check_tokens(it.tokens)?;
             assert!(!it.tokens.is_empty(), "a batch item without tokens");
             let end = it.seq.pos + it.tokens.len();
@@ -202,185 +282,10 @@ impl<B: Backend> Model<B> {
                     n_ctx: self.cfg.context_length,
                 });
             }
+            spans.push((tokens.len(), it.tokens.len()));
+            tokens.extend_from_slice(it.tokens);
         }
-        let eps = self.cfg.eps;
-        let all_tokens: Vec<u32> = items
-            .iter()
-            .flat_map(|it| it.tokens.iter().copied())
-            .collect();
-        let mut offsets = Vec::with_capacity(items.len());
-        let mut off = 0;
-        for it in items.iter() {
-            offsets.push(off);
-            off += it.tokens.len();
-        }
-        let single = items.len() == 1;
-        // Each sequence's rows of a batch-wide tensor (no copy for a lone sequence).
-        let split = |t: &B::T, i: usize, n: usize| -> Option<B::T> {
-            (!single).then(|| be.rows(t, offsets[i], n))
-        };
-        let mut x = be.embed(&self.w.token_embd, &all_tokens);
-        for (il, layer) in self.w.layers.iter().enumerate() {
-            let h = be.rms_norm(&x, &layer.attn_norm, eps);
-            let a = if self.cfg.is_recurrent(il) {
-                let Mixer::Gdn(g) = &layer.mixer else {
-                    unreachable!("GDN layer with an attention mixer")
-                };
-                let mixed = be.matmul(&g.qkv, &h);
-                let z = be.matmul(&g.gate, &h);
-                let b = be.matmul(&g.beta, &h);
-                let a = be.matmul(&g.alpha, &h);
-                let w = GdnWeights {
-                    conv: &g.conv,
-                    dt_bias: &g.dt_bias,
-                    ssm_a: &g.ssm_a,
-                    norm: &g.norm,
-                };
-                let gp = self.cfg.gdn_params();
-                let mut outs = Vec::with_capacity(items.len());
-                for (i, it) in items.iter_mut().enumerate() {
-                    let n = it.tokens.len();
-                    if it.snapshot {
-                        // One row at a time, keeping the state after each but the last in
-                        // its cell (after the last row the live state is that state).
-                        assert!(
-                            it.seq.cells.get(il).is_some_and(|c| c.len() + 1 >= n),
-                            "snapshot batch of {n} rows needs {} armed cells",
-                            n.saturating_sub(1)
-                        );
-                        let mut rows_out = Vec::with_capacity(n);
-                        for t in 0..n {
-                            let r = offsets[i] + t;
-                            let (m, zz, bb, aa) = (
-                                be.rows(&mixed, r, 1),
-                                be.rows(&z, r, 1),
-                                be.rows(&b, r, 1),
-                                be.rows(&a, r, 1),
-                            );
-                            let rs = it.seq.rs[il].as_mut().expect("recurrent state");
-                            rows_out.push(be.gdn(&gp, &m, &zz, &bb, &aa, &w, rs));
-                            if t + 1 < n {
-                                let rs = it.seq.rs[il].as_ref().expect("recurrent state");
-                                be.recurrent_copy(rs, &mut it.seq.cells[il][t]);
-                            }
-                        }
-                        outs.push(be.concat_rows(&rows_out.iter().collect::<Vec<_>>()));
-                        continue;
-                    }
-                    let rs = it.seq.rs[il].as_mut().expect("recurrent state");
-                    outs.push(
-                        match (
-                            split(&mixed, i, n),
-                            split(&z, i, n),
-                            split(&b, i, n),
-                            split(&a, i, n),
-                        ) {
-                            (Some(m), Some(zz), Some(bb), Some(aa)) => {
-                                be.gdn(&gp, &m, &zz, &bb, &aa, &w, rs)
-                            }
-                            _ => be.gdn(&gp, &mixed, &z, &b, &a, &w, rs),
-                        },
-                    );
-                }
-                let y = if single {
-                    outs.pop().unwrap()
-                } else {
-                    be.concat_rows(&outs.iter().collect::<Vec<_>>())
-                };
-                be.matmul(&g.out, &y)
-            } else {
-                let Mixer::Attn(at) = &layer.mixer else {
-                    unreachable!("attention layer with a GDN mixer")
-                };
-                let qg = be.matmul(&at.q, &h);
-                let k = be.matmul(&at.k, &h);
-                let v = be.matmul(&at.v, &h);
-                let ap = self.cfg.attn_params();
-                let mut outs = Vec::with_capacity(items.len());
-                for (i, it) in items.iter_mut().enumerate() {
-                    let n = it.tokens.len();
-                    let pos0 = it.seq.pos;
-                    let kv = it.seq.kv[il].as_mut().expect("kv cache");
-                    outs.push(match (split(&qg, i, n), split(&k, i, n), split(&v, i, n)) {
-                        (Some(q), Some(kk), Some(vv)) => {
-                            be.attention(&ap, &q, &kk, &vv, &at.q_norm, &at.k_norm, kv, pos0)
-                        }
-                        _ => be.attention(&ap, &qg, &k, &v, &at.q_norm, &at.k_norm, kv, pos0),
-                    });
-                }
-                let o = if single {
-                    outs.pop().unwrap()
-                } else {
-                    be.concat_rows(&outs.iter().collect::<Vec<_>>())
-                };
-                be.matmul(&at.o, &o)
-            };
-            be.add_assign(&mut x, &a);
-            self.ffn(be, layer, &mut x);
-        }
-        // The rows each sequence wants h for, gathered into one norm and one output matmul.
-        let mut picked = Vec::with_capacity(items.len());
-        let mut counts = Vec::with_capacity(items.len());
-        let mut logit_rows = Vec::with_capacity(items.len());
-        for (i, it) in items.iter_mut().enumerate() {
-            let n = it.tokens.len();
-            it.seq.pos += n;
-            let every = it.all_rows || it.hidden_rows;
-            let (start, count) = if every {
-                (offsets[i], n)
-            } else {
-                (offsets[i] + n - 1, 1)
-            };
-            counts.push(count);
-            logit_rows.push(if it.hidden_rows && !it.all_rows {
-                1
-            } else {
-                count
-            });
-            if !(single && every) {
-                picked.push(be.rows(&x, start, count));
-            }
-        }
-        let trimmed = logit_rows != counts;
-        let x = if picked.is_empty() {
-            x
-        } else if picked.len() == 1 {
-            picked.pop().unwrap()
-        } else {
-            be.concat_rows(&picked.iter().collect::<Vec<_>>())
-        };
-        let h = be.rms_norm(&x, &self.w.output_norm, eps);
-        // The logits rows: the h rows, less the prompt rows wanted for h alone.
-        let logits = if trimmed {
-            let mut parts = Vec::with_capacity(counts.len());
-            let mut at = 0;
-            for (&c, &l) in counts.iter().zip(&logit_rows) {
-                parts.push(be.rows(&h, at + c - l, l));
-                at += c;
-            }
-            let hl = if parts.len() == 1 {
-                parts.pop().unwrap()
-            } else {
-                be.concat_rows(&parts.iter().collect::<Vec<_>>())
-            };
-            be.matmul(&self.w.output, &hl)
-        } else {
-            be.matmul(&self.w.output, &h)
-        };
-        if single {
-            return Ok(vec![Output { logits, h }]);
-        }
-        let mut outs = Vec::with_capacity(items.len());
-        let (mut at, mut at_l) = (0, 0);
-        for (c, l) in counts.into_iter().zip(logit_rows) {
-            outs.push(Output {
-                logits: be.rows(&logits, at_l, l),
-                h: be.rows(&h, at, c),
-            });
-            at += c;
-            at_l += l;
-        }
-        Ok(outs)
+        Ok(Batch { tokens, spans })
     }
 
     /// The MTP head (§6) over rows at positions `st.pos..`: row k reads token `tokens[k]` and
@@ -434,10 +339,129 @@ impl<B: Backend> Model<B> {
         let hh = be.rms_norm(h_prev, &mtp.hnorm, eps);
         let mut c = be.matmul(&mtp.eh_proj, &be.concat_cols(&e, &hh));
         let h = be.rms_norm(&c, &mtp.layer.attn_norm, eps);
-        let a = self.attn_mixer(be, &mtp.layer, &h, &mut st.kv, st.pos);
+        let Mixer::Attn(aw) = &mtp.layer.mixer else {
+            unreachable!("the MTP block's layer is a full-attention layer")
+        };
+        let batch = Batch::one(tokens);
+        let a = self.attn_mixer(be, aw, &h, &batch, &mut [(&mut st.kv, st.pos)]);
         be.add_assign(&mut c, &a);
         self.ffn(be, &mtp.layer, &mut c);
         st.pos += tokens.len();
         Ok(c)
+    }
+}
+
+/// The rows of one batched step: every item's tokens, one after another, and each item's
+/// `(first row, count)`.
+struct Batch {
+    tokens: Vec<u32>,
+    spans: Vec<(usize, usize)>,
+}
+
+impl Batch {
+    /// One sequence's tokens.
+    fn one(tokens: &[u32]) -> Batch {
+        Batch {
+            tokens: tokens.to_vec(),
+            spans: vec![(0, tokens.len())],
+        }
+    }
+
+    /// `f(i, rows of item i of each input)` for every item, stacked back into one tensor. A
+    /// lone item's rows are the whole inputs: no copy.
+    fn per_seq<B: Backend>(
+        &self,
+        be: &B,
+        inputs: &[B::T],
+        mut f: impl FnMut(usize, &[&B::T]) -> B::T,
+    ) -> B::T {
+        if self.spans.len() == 1 {
+            return f(0, &inputs.iter().collect::<Vec<_>>());
+        }
+        let outs: Vec<B::T> = self
+            .spans
+            .iter()
+            .enumerate()
+            .map(|(i, &(start, n))| {
+                let rows: Vec<B::T> = inputs.iter().map(|t| be.rows(t, start, n)).collect();
+                f(i, &rows.iter().collect::<Vec<_>>())
+            })
+            .collect();
+        be.concat_rows(&outs.iter().collect::<Vec<_>>())
+    }
+
+    /// Which rows each item wants h for (every row with `all_rows` or `hidden_rows`, else the
+    /// last) and, among those, which it wants logits for (every one with `all_rows`, else the
+    /// last).
+    fn picks<B: Backend>(&self, items: &[BatchItem<'_, B>]) -> Picks {
+        let mut h = Vec::with_capacity(items.len());
+        let mut logits = Vec::with_capacity(items.len());
+        let mut at = 0;
+        for (it, &(start, n)) in items.iter().zip(&self.spans) {
+            let c = if it.all_rows || it.hidden_rows { n } else { 1 };
+            let l = if it.all_rows { n } else { 1 };
+            h.push((start + n - c, c));
+            logits.push((at + c - l, l));
+            at += c;
+        }
+        Picks {
+            h,
+            logits,
+            rows: self.tokens.len(),
+        }
+    }
+}
+
+/// The output rows of a batch (`Batch::picks`): runs of `(first row, count)` per item, of the
+/// batch's rows for h and of h's rows for the logits.
+struct Picks {
+    h: Vec<(usize, usize)>,
+    logits: Vec<(usize, usize)>,
+    rows: usize,
+}
+
+impl Picks {
+    /// Whether `runs` are every one of `rows` rows in order (nothing to gather).
+    fn whole(runs: &[(usize, usize)], rows: usize) -> bool {
+        let mut at = 0;
+        runs.iter().all(|&(s, n)| {
+            let ok = s == at;
+            at += n;
+            ok
+        }) && at == rows
+    }
+
+    fn gather_h<B: Backend>(&self, be: &B, x: B::T) -> B::T {
+        if Self::whole(&self.h, self.rows) {
+            x
+        } else {
+            be.gather_rows(&x, &self.h)
+        }
+    }
+
+    /// The rows of h that get logits; `None` when that is every row.
+    fn gather_logits<B: Backend>(&self, be: &B, h: &B::T) -> Option<B::T> {
+        let h_rows = self.h.iter().map(|r| r.1).sum();
+        (!Self::whole(&self.logits, h_rows)).then(|| be.gather_rows(h, &self.logits))
+    }
+
+    /// One output per item: its logits rows and its h rows.
+    fn split<B: Backend>(&self, be: &B, logits: B::T, h: B::T) -> Vec<Output<B::T>> {
+        if self.h.len() == 1 {
+            return vec![Output { logits, h }];
+        }
+        let mut at = (0, 0);
+        self.h
+            .iter()
+            .zip(&self.logits)
+            .map(|(&(_, c), &(_, l))| {
+                let out = Output {
+                    logits: be.rows(&logits, at.1, l),
+                    h: be.rows(&h, at.0, c),
+                };
+                at = (at.0 + c, at.1 + l);
+                out
+            })
+            .collect()
     }
 }

@@ -273,7 +273,10 @@ impl Uploader for Pricer {
 }
 
 fn wgpu_rule(w: &WeightSource) -> WeightBytes {
-    crate::backend::gpu::planned_weight_bytes(w, crate::backend::wgpu::alloc_rule(WGPU_BINDING_LIMIT))
+    crate::backend::gpu::planned_weight_bytes(
+        w,
+        crate::backend::wgpu::alloc_rule(WGPU_BINDING_LIMIT),
+    )
 }
 
 /// What the cuda backend's `upload` allocates for `w`: one exact device allocation (at least 4

@@ -8,7 +8,7 @@ use tern::backend::cpu::CpuBackend;
 use tern::backend::gpu::Device as _;
 use tern::backend::wgpu::WgpuBackend;
 use tern::backend::{nmse, Fold, WeightSource};
-use tern::gguf::{Gguf, GgufWriter};
+use tern::gguf::{Gguf, GgufWriter, Value};
 use tern::quant::hadamard::HadamardConfig;
 use tern::tensor::GgmlType;
 
@@ -70,6 +70,54 @@ pub fn with_fold(
         perm,
     });
     w
+}
+
+/// A valid `prism.hadamard` config with sign vectors (explicit mode) or without (identity) for
+/// `widths`; `widths[0]` is also the embedding width.
+pub fn hadamard(block: usize, widths: &[usize], explicit: bool, seed: u64) -> Arc<HadamardConfig> {
+    let mut rng = Rng(seed);
+    let mut g = GgufWriter::new();
+    g.set("general.architecture", Value::String("qwen35".into()));
+    g.set("prism.hadamard.version", Value::U32(1));
+    g.set("prism.hadamard.block_size", Value::U32(block as u32));
+    g.set(
+        "prism.hadamard.transform",
+        Value::String("normalized-sylvester-walsh-hadamard".into()),
+    );
+    g.set(
+        "prism.hadamard.axis",
+        Value::String("input-last-dimension".into()),
+    );
+    if explicit {
+        g.set("prism.hadamard.sign_mode", Value::String("explicit".into()));
+        let sw: Vec<i32> = widths.iter().map(|&w| w as i32).collect();
+        g.set("prism.hadamard.sign_widths", Value::i32_array(&sw));
+        let total: usize = widths.iter().sum();
+        let sv: Vec<i32> = (0..total)
+            .map(|_| if rng.below(2) == 0 { 1 } else { -1 })
+            .collect();
+        g.set("prism.hadamard.sign_values", Value::i32_array(&sv));
+    } else {
+        g.set("prism.hadamard.sign_mode", Value::String("identity".into()));
+    }
+    let names: Vec<String> = (0..widths.len())
+        .map(|i| format!("blk.{i}.ffn_down.weight"))
+        .collect();
+    g.set("prism.hadamard.weight_names", Value::str_array(&names));
+    g.set(
+        "prism.hadamard.inverse_weight_names",
+        Value::str_array(&["token_embd.weight"]),
+    );
+    for (name, &w) in names.iter().zip(widths) {
+        g.add_f32(name, &[w as u64, 2], &vec![0.0; 2 * w]);
+    }
+    g.add_f32(
+        "token_embd.weight",
+        &[widths[0] as u64, 2],
+        &vec![0.0; 2 * widths[0]],
+    );
+    let file = Gguf::from_bytes("hadamard.gguf", g.to_bytes()).unwrap();
+    Arc::new(HadamardConfig::from_gguf(&file).unwrap().expect("config"))
 }
 
 /// Asserts NMSE(ours, reference) <= tol, printing the figure either way.

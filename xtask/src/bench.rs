@@ -9,6 +9,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use tern::backend::cpu::CpuBackend;
+use tern::backend::gpu::Device as _;
 use tern::backend::Backend;
 use tern::model::Model;
 
@@ -115,7 +116,7 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     let cpu = CpuBackend::new();
     let gpu = if o.backends.iter().any(|b| b == "wgpu") {
         let g = tern::backend::wgpu::WgpuBackend::new()?;
-        eprintln!("{}", g.gpu.describe());
+        eprintln!("{}", g.dev.describe());
         Some(g)
     } else {
         None
@@ -155,7 +156,7 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         if let Some(g) = &gpu {
             eprintln!("tern wgpu on {} ...", f.display());
             let mut r = bench_tern(g, f, o)?;
-            r["adapter"] = json!(g.gpu.info.name);
+            r["adapter"] = json!(g.dev.info.name);
             t.push(r);
         }
         #[cfg(feature = "cuda")]

@@ -500,7 +500,12 @@ impl Backend for CpuBackend {
         let rows: usize = runs.iter().map(|r| r.1).sum();
         let mut data = Vec::with_capacity(rows * t.cols);
         for &(start, n) in runs {
-            assert!(start + n <= t.rows, "rows {start}..{} of {}", start + n, t.rows);
+            assert!(
+                start + n <= t.rows,
+                "rows {start}..{} of {}",
+                start + n,
+                t.rows
+            );
             data.extend_from_slice(&t.data[start * t.cols..(start + n) * t.cols]);
         }
         Tensor {

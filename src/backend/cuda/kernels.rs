@@ -85,7 +85,9 @@ pub fn source(kernel: Kernel) -> String {
     let spec = kernel.spec();
     let f = file(spec.file);
     let mut out = String::with_capacity(COMMON.len() + f.len() + 512);
-    out.push_str(&format!("// {kernel}: constants of backend::gpu::kernels\n"));
+    out.push_str(&format!(
+        "// {kernel}: constants of backend::gpu::kernels\n"
+    ));
     out.push_str(&cuda_defines(&spec));
     if let Kernel::MatmulVec { .. } = kernel {
         out.push_str(&format!("#define WARPS {VEC_WARPS}u\n"));
@@ -103,7 +105,11 @@ pub fn source(kernel: Kernel) -> String {
             out.push('\n');
         }
     }
-    assert!(included, "cuda/{}.cu does not include common.cuh", spec.file);
+    assert!(
+        included,
+        "cuda/{}.cu does not include common.cuh",
+        spec.file
+    );
     out
 }
 

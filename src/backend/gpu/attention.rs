@@ -343,10 +343,7 @@ pub fn argmax_rows<D: Device>(be: &GpuBackend<D>, x: &Tensor<D>) -> Vec<u32> {
         Kernel::Argmax,
         Grid::Linear(x.rows),
         &[x.view(), words_view(&ids, x.rows)],
-        &[
-            Scalar::U(x.rows as u32),
-            Scalar::U(u32_of(x.cols, "cols")),
-        ],
+        &[Scalar::U(x.rows as u32), Scalar::U(u32_of(x.cols, "cols"))],
     );
     be.read_words(ids.mem(), x.rows * 4)
 }

@@ -54,11 +54,7 @@ pub fn new_recurrent<D: Device>(be: &GpuBackend<D>, p: &GdnParams) -> Recurrent<
     }
 }
 
-pub fn recurrent_copy<D: Device>(
-    be: &GpuBackend<D>,
-    from: &Recurrent<D>,
-    to: &mut Recurrent<D>,
-) {
+pub fn recurrent_copy<D: Device>(be: &GpuBackend<D>, from: &Recurrent<D>, to: &mut Recurrent<D>) {
     assert_eq!(
         (from.conv_len, from.ssm_len),
         (to.conv_len, to.ssm_len),
@@ -180,13 +176,7 @@ pub fn gdn_with<D: Device>(
             Scalar::F(q_scale),
         ],
     );
-    dev.copy(
-        new_conv.mem(),
-        0,
-        &state.conv,
-        0,
-        state.conv_len as u64 * 4,
-    );
+    dev.copy(new_conv.mem(), 0, &state.conv, 0, state.conv_len as u64 * 4);
 
     // 2. the recurrence, o pre-norm into `out`.
     let col_blocks = d.div_ceil(GDN_COL_BLOCK as usize) as u32;

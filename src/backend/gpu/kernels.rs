@@ -194,11 +194,7 @@ impl Kernel {
                 64,
                 vec![("TY", ty), ("NT", MATVEC_MAX_TOKENS as u32)],
             ),
-            Kernel::MatmulVecF16 => (
-                "matmul_vec_f16",
-                64,
-                vec![("NT", MATVEC_MAX_TOKENS as u32)],
-            ),
+            Kernel::MatmulVecF16 => ("matmul_vec_f16", 64, vec![("NT", MATVEC_MAX_TOKENS as u32)]),
             Kernel::RmsNorm => ("rms_norm", 256, vec![]),
             Kernel::Swiglu => ("swiglu", 256, vec![]),
             Kernel::Topk => ("topk", 64, vec![("KMAX", TOPK_MAX)]),

@@ -143,13 +143,7 @@ pub trait Device: Send + Sync + Sized + 'static {
     /// `bytes` of `src` from `offset`, once the queued work is done.
     fn read(&self, src: &Self::Mem, offset: u64, bytes: u64) -> Vec<u8>;
     /// Queues one launch of `kernel` with its buffers and then its scalars.
-    fn launch(
-        &self,
-        kernel: Kernel,
-        grid: Grid,
-        bufs: &[View<'_, Self::Mem>],
-        scalars: &[Scalar],
-    );
+    fn launch(&self, kernel: Kernel, grid: Grid, bufs: &[View<'_, Self::Mem>], scalars: &[Scalar]);
     /// Called when long-lived buffers are replaced (a cache regrown), so that the device
     /// drops anything it keeps that refers to the old ones (cached bind groups).
     fn forget_bindings(&self) {}

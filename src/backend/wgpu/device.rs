@@ -474,8 +474,7 @@ impl Device for Gpu {
         let groups = match grid {
             Grid::Linear(0) => return,
             Grid::Linear(n) => groups_2d(
-                u32::try_from(n)
-                    .unwrap_or_else(|_| panic!("{kernel}: {n} workgroups exceed u32")),
+                u32::try_from(n).unwrap_or_else(|_| panic!("{kernel}: {n} workgroups exceed u32")),
             ),
             Grid::Dims(d) => {
                 if d.contains(&0) {
