@@ -46,15 +46,7 @@ extern "C" __global__ void __launch_bounds__(WG)
         xs[i] = v;
         ss += v * v;
     }
-    red[lid] = ss;
-    __syncthreads();
-    for (u32 stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (lid < stride) {
-            red[lid] += red[lid + stride];
-        }
-        __syncthreads();
-    }
-    const float scale = 1.0f / sqrtf(red[0] / (float)hd + eps);
+    const float scale = 1.0f / sqrtf(block_sum(red, lid, ss, WG) / (float)hd + eps);
     for (u32 i = lid; i < hd; i += WG) {
         xs[i] = xs[i] * scale * nw[i];
     }

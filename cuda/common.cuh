@@ -268,3 +268,34 @@ __device__ __forceinline__ void load8(const u8* row, u32 e, u32 ne0, float* w) {
         load8_ptq1_0(row, e, w);
     }
 }
+
+// softplus as ggml computes it (shaders/softplus.wgsl): x above 20 as it is, else
+// log1p(exp(x)).
+__device__ __forceinline__ float softplus(float x) {
+    if (x > 20.0f) {
+        return x;
+    }
+    const float e = expf(x);
+    // log1p(e): the series where 1 + e would lose e's digits.
+    if (e < 1e-3f) {
+        return e * (1.0f - e * (0.5f - e / 3.0f));
+    }
+    return logf(1.0f + e);
+}
+
+// The sum over a block of one float per thread, by the tree of shaders/reduce.wgsl (the same
+// order every time). `partial` is the kernel's __shared__ float[WG]; every thread of the block
+// calls it, and it ends with a barrier, so it may be called again.
+__device__ __forceinline__ float block_sum(float* partial, u32 lid, float v, u32 wg) {
+    partial[lid] = v;
+    __syncthreads();
+    for (u32 stride = wg / 2u; stride > 0u; stride /= 2u) {
+        if (lid < stride) {
+            partial[lid] += partial[lid + stride];
+        }
+        __syncthreads();
+    }
+    const float sum = partial[0];
+    __syncthreads();
+    return sum;
+}

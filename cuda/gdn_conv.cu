@@ -49,22 +49,12 @@ extern "C" __global__ void __launch_bounds__(WG)
             ss += y * y;
         }
         if (seg < 2u * n_k) {
-            red[lid] = ss;
-            __syncthreads();
-            for (u32 stride = WG / 2u; stride > 0u; stride /= 2u) {
-                if (lid < stride) {
-                    red[lid] += red[lid + stride];
-                }
-                __syncthreads();
-            }
-            const float scale = 1.0f / fmaxf(sqrtf(red[0]), eps);
+            const float scale = 1.0f / fmaxf(sqrtf(block_sum(red, lid, ss, WG)), eps);
             const float qs = seg < n_k ? q_scale : 1.0f;
             for (u32 c = lid; c < d; c += WG) {
                 const u64 i = (u64)t * cd + c0 + c;
                 u[i] = u[i] * scale * qs;
             }
-            // red[0] is read above; the next token overwrites it.
-            __syncthreads();
         }
     }
     if (blockIdx.y + 1u == gridDim.y) {

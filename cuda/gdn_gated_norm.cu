@@ -19,15 +19,7 @@ extern "C" __global__ void __launch_bounds__(WG)
         const float v = o[base + i];
         s += v * v;
     }
-    partial[lid] = s;
-    __syncthreads();
-    for (u32 stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (lid < stride) {
-            partial[lid] += partial[lid + stride];
-        }
-        __syncthreads();
-    }
-    const float scale = 1.0f / sqrtf(partial[0] / (float)d + eps);
+    const float scale = 1.0f / sqrtf(block_sum(partial, lid, s, WG) / (float)d + eps);
     for (u32 i = lid; i < d; i += WG) {
         const float zi = z[base + i];
         o[base + i] = o[base + i] * scale * w[i] * (zi / (1.0f + expf(-zi)));

@@ -13,18 +13,6 @@
 
 #define NR ((D + R - 1u) / R)
 
-__device__ __forceinline__ float softplus(float x) {
-    if (x > 20.0f) {
-        return x;
-    }
-    const float e = expf(x);
-    // log1p(e): the series where 1 + e would lose e's digits.
-    if (e < 1e-3f) {
-        return e * (1.0f - e * (0.5f - e / 3.0f));
-    }
-    return logf(1.0f + e);
-}
-
 extern "C" __global__ void __launch_bounds__(WG)
     gdn_step(const float* __restrict__ u, const float* __restrict__ b, const float* __restrict__ a,
              const float* __restrict__ dt_bias, const float* __restrict__ ssm_a,

@@ -2,7 +2,6 @@
 // threads per row, the sum of squares reduced through shared memory.
 #include "common.cuh"
 
-
 extern "C" __global__ void __launch_bounds__(WG)
     rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ y,
              u32 rows, u32 cols, float eps) {
@@ -18,15 +17,7 @@ extern "C" __global__ void __launch_bounds__(WG)
         const float v = x[base + i];
         s += v * v;
     }
-    partial[lid] = s;
-    __syncthreads();
-    for (u32 stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (lid < stride) {
-            partial[lid] += partial[lid + stride];
-        }
-        __syncthreads();
-    }
-    const float scale = 1.0f / sqrtf(partial[0] / (float)cols + eps);
+    const float scale = 1.0f / sqrtf(block_sum(partial, lid, s, WG) / (float)cols + eps);
     for (u32 i = lid; i < cols; i += WG) {
         y[base + i] = x[base + i] * scale * w[i];
     }

@@ -25,7 +25,7 @@ struct Params {
 @group(0) @binding(7) var<storage, read> rope: array<f32>;
 
 var<workgroup> xs: array<f32, MAX_HD>;
-var<workgroup> red: array<f32, WG>;
+#include "reduce.wgsl"
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -61,15 +61,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         xs[i] = v;
         ss += v * v;
     }
-    red[lid.x] = ss;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (lid.x < stride) {
-            red[lid.x] += red[lid.x + stride];
-        }
-        workgroupBarrier();
-    }
-    let scale = 1.0 / sqrt(red[0] / f32(hd) + p.eps);
+    let scale = 1.0 / sqrt(workgroup_sum(lid.x, ss) / f32(hd) + p.eps);
     for (var i = lid.x; i < hd; i += WG) {
         var w = 0.0;
         if (is_q) {

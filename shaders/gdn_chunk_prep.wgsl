@@ -33,17 +33,7 @@ var<workgroup> am: array<f32, C * C>;
 var<workgroup> gs: array<f32, C>;
 var<workgroup> bs: array<f32, C>;
 
-fn softplus(x: f32) -> f32 {
-    if (x > 20.0) {
-        return x;
-    }
-    let e = exp(x);
-    // log1p(e): the series where 1 + e would lose e's digits.
-    if (e < 1e-3) {
-        return e * (1.0 - e * (0.5 - e / 3.0));
-    }
-    return log(1.0 + e);
-}
+#include "softplus.wgsl"
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {

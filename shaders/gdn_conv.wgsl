@@ -25,7 +25,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> u: array<f32>;   // [rows][cd]
 @group(0) @binding(5) var<storage, read_write> new_state: array<f32>;
 
-var<workgroup> red: array<f32, WG>;
+#include "reduce.wgsl"
 
 // Raw input at index `ci` of the concatenation [state rows; mixed rows].
 fn raw(ci: u32, ch: u32) -> f32 {
@@ -58,22 +58,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
             ss += y * y;
         }
         if (seg < 2u * p.n_k) {
-            red[lid.x] = ss;
-            workgroupBarrier();
-            for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-                if (lid.x < stride) {
-                    red[lid.x] += red[lid.x + stride];
-                }
-                workgroupBarrier();
-            }
-            let scale = 1.0 / max(sqrt(red[0]), p.eps);
+            let scale = 1.0 / max(sqrt(workgroup_sum(lid.x, ss)), p.eps);
             let qs = select(1.0, p.q_scale, seg < p.n_k);
             for (var c = lid.x; c < p.d; c += WG) {
                 let i = t * p.cd + c0 + c;
                 u[i] = u[i] * scale * qs;
             }
-            // red[0] is read above; the next token overwrites it.
-            workgroupBarrier();
         }
     }
     if (wid.y + 1u == nwg.y) {

@@ -12,7 +12,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read> z: array<f32>;         // [n][d]
 @group(0) @binding(3) var<storage, read> w: array<f32>;         // [d]
 
-var<workgroup> partial: array<f32, WG>;
+#include "reduce.wgsl"
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -27,15 +27,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         let v = o[base + i];
         s += v * v;
     }
-    partial[lid.x] = s;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (lid.x < stride) {
-            partial[lid.x] += partial[lid.x + stride];
-        }
-        workgroupBarrier();
-    }
-    let scale = 1.0 / sqrt(partial[0] / f32(p.d) + p.eps);
+    let scale = 1.0 / sqrt(workgroup_sum(lid.x, s) / f32(p.d) + p.eps);
     for (var i = lid.x; i < p.d; i += WG) {
         let zi = z[base + i];
         o[base + i] = o[base + i] * scale * w[i] * (zi / (1.0 + exp(-zi)));

@@ -29,17 +29,7 @@ const NR: u32 = (D + R - 1u) / R;
 var<workgroup> kq: array<f32, 2u * D>;   // k, then q, of the current token
 var<workgroup> red: array<f32, R * CB>;
 
-fn softplus(x: f32) -> f32 {
-    if (x > 20.0) {
-        return x;
-    }
-    let e = exp(x);
-    // log1p(e): the series where 1 + e would lose e's digits.
-    if (e < 1e-3) {
-        return e * (1.0 - e * (0.5 - e / 3.0));
-    }
-    return log(1.0 + e);
-}
+#include "softplus.wgsl"
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {

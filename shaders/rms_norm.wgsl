@@ -11,7 +11,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read> w: array<f32>;
 @group(0) @binding(3) var<storage, read_write> y: array<f32>;
 
-var<workgroup> partial: array<f32, WG>;
+#include "reduce.wgsl"
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>,
@@ -26,15 +26,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(num_workgroups) nwg: vec
         let v = x[base + i];
         s += v * v;
     }
-    partial[lid.x] = s;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride /= 2u) {
-        if (lid.x < stride) {
-            partial[lid.x] += partial[lid.x + stride];
-        }
-        workgroupBarrier();
-    }
-    let scale = 1.0 / sqrt(partial[0] / f32(p.cols) + p.eps);
+    let scale = 1.0 / sqrt(workgroup_sum(lid.x, s) / f32(p.cols) + p.eps);
     for (var i = lid.x; i < p.cols; i += WG) {
         y[base + i] = x[base + i] * scale * w[i];
     }

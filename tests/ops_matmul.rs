@@ -5,13 +5,10 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::{assert_close, cpu, hadamard, weight, with_fold, Rng};
 use tern::backend::gpu::{matmul::fold_input, Device, GpuBackend};
 use tern::backend::{Backend, Fold, WeightSource};
-use tern::gguf::{Gguf, GgufWriter, Value};
-use tern::quant::hadamard::{GdnPermutation, HadamardConfig};
+use tern::quant::hadamard::GdnPermutation;
 use tern::tensor::GgmlType;
 
 /// matmul: the kernels decode exactly the values the reference decodes (level times scale, one

@@ -1,7 +1,8 @@
 //! The WGSL sources (`shaders/*.wgsl`, one op each) and the small preprocessor that makes a
 //! kernel's source from them:
-//! - `#include "piece.wgsl"` lines are replaced by that file (the weight decoders live once,
-//!   in `decode.wgsl`, and three kernels include them);
+//! - `#include "piece.wgsl"` lines are replaced by that file: the weight decoders
+//!   (`decode.wgsl`), the workgroup sum (`reduce.wgsl`) and softplus (`softplus.wgsl`) live
+//!   once and the kernels that need them include them;
 //! - the kernel's constants ([`Kernel::spec`]: its workgroup size, tile sizes, dtype codes, the
 //!   head size) are declared at the top, after any `enable` directive, so that the host and the
 //!   CUDA port read the same table and no shader declares them itself;
@@ -39,13 +40,15 @@ shader_files!(
     "matmul_tiled",
     "matmul_vec",
     "matmul_vec_f16",
+    "reduce",
     "rms_norm",
+    "softplus",
     "swiglu",
     "topk",
 );
 
 /// Files that are pieces for `#include`, not kernels.
-pub const PIECES: &[&str] = &["decode"];
+pub const PIECES: &[&str] = &["decode", "reduce", "softplus"];
 
 /// The text of `shaders/<stem>.wgsl`.
 pub fn file(stem: &str) -> &'static str {
