@@ -164,7 +164,7 @@ impl EngineArgs {
                 k: parse("cache-type-k", &self.cache_type_k)?,
                 v: parse("cache-type-v", &self.cache_type_v)?,
             },
-            spec: (self.spec_type == SpecType::DraftMtp).then(|| SpecConfig {
+            spec: (self.spec_type == SpecType::DraftMtp).then_some(SpecConfig {
                 n_max: self.spec_draft_n_max,
                 n_min: self.spec_draft_n_min,
                 p_min: self.spec_draft_p_min,

@@ -201,7 +201,7 @@ impl GgmlType {
     /// or the size overflows.
     pub fn row_bytes(self, n: u64) -> Option<u64> {
         let (bs, ts) = self.block();
-        if n % bs as u64 != 0 {
+        if !n.is_multiple_of(bs as u64) {
             return None;
         }
         (n / bs as u64).checked_mul(ts as u64)

@@ -249,6 +249,7 @@ pub trait Backend: Send + Sync {
     fn upload(&self, w: &WeightSource) -> Result<Self::W, BackendError>;
     /// What `upload` allocated for `w` (the boot ledger's weights line).
     fn weight_bytes(&self, w: &Self::W) -> WeightBytes;
+    #[allow(clippy::wrong_self_convention)]
     fn from_host(&self, data: &[f32], rows: usize, cols: usize) -> Self::T;
     fn to_host(&self, t: &Self::T) -> Vec<f32>;
     /// Copies rows `[start, start + n)` of `t`.

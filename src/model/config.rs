@@ -99,7 +99,7 @@ impl Config {
         let n_head_kv = k.req("attention.head_count_kv")?;
         let key_len =
             k.u("attention.key_length")?
-                .unwrap_or(if n_head > 0 { n_embd / n_head } else { 0 });
+                .unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
         let val_len = k.u("attention.value_length")?.unwrap_or(key_len);
         let eps = k
             .f("attention.layer_norm_rms_epsilon")?

@@ -63,7 +63,7 @@ impl EngineConfig {
                 "ctx-size, parallel and ubatch-size must be positive".into(),
             ));
         }
-        if self.ctx_size % self.parallel != 0 {
+        if !self.ctx_size.is_multiple_of(self.parallel) {
             return Err(EngineError::UnevenPool {
                 ctx_size: self.ctx_size,
                 parallel: self.parallel,

@@ -174,10 +174,7 @@ pub fn cuda_or_reason() -> Result<&'static tern::backend::cuda::CudaBackend, &'s
                         Err(e)
                     }
                 })
-                .map(|b| {
-                    eprintln!("{}", b.dev.describe());
-                    b
-                })
+                .inspect(|b| eprintln!("{}", b.dev.describe()))
                 .map_err(|e| e.to_string())
         })
         .as_ref()

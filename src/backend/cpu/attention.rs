@@ -32,6 +32,7 @@ impl Rows<'_> {
     /// Head `g`'s `hd` values of rows `j0..j0 + n` (of `width`) as f32, with their row stride.
     /// f32 rows are borrowed in place; stored blocks are decoded into `buf` (and `row` when the
     /// head does not start on a block boundary).
+    #[allow(clippy::too_many_arguments)]
     fn head<'s>(
         &'s self,
         g: usize,

@@ -115,7 +115,7 @@ fn product<D: Device>(be: &GpuBackend<D>, w: &Weight<D>, x: &Tensor<D>) -> Tenso
             Kernel::MatmulTiled {
                 ty: weight_code(part.ty),
             }
-        } else if part.ty == GgmlType::F16 && be.dev.caps().native_f16 && w.ne0 % 8 == 0 {
+        } else if part.ty == GgmlType::F16 && be.dev.caps().native_f16 && w.ne0.is_multiple_of(8) {
             Kernel::MatmulVecF16
         } else {
             Kernel::MatmulVec {
