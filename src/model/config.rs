@@ -97,9 +97,9 @@ impl Config {
         let n_layer_all = k.req("block_count")?;
         let n_head = k.req("attention.head_count")?;
         let n_head_kv = k.req("attention.head_count_kv")?;
-        let key_len =
-            k.u("attention.key_length")?
-                .unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
+        let key_len = k
+            .u("attention.key_length")?
+            .unwrap_or(n_embd.checked_div(n_head).unwrap_or(0));
         let val_len = k.u("attention.value_length")?.unwrap_or(key_len);
         let eps = k
             .f("attention.layer_norm_rms_epsilon")?
