@@ -9,6 +9,7 @@ pub mod bundled;
 pub mod chat;
 pub mod cli;
 pub mod config;
+pub mod eval;
 pub mod gguf;
 pub mod model;
 pub mod npy;

@@ -110,6 +110,10 @@ enum Cmd {
     Verify(tern::cli::verify::VerifyArgs),
     /// Serve the model over llama-server's HTTP API (OpenAI-compatible).
     Serve(tern::server::ServeArgs),
+    /// Perplexity of a text, by llama-perplexity's method (chunks, second half scored).
+    Perplexity(tern::eval::cli::PerplexityArgs),
+    /// KL divergence of a candidate from a reference: --save-base, then --base (a gate).
+    Kld(tern::eval::cli::KldArgs),
 }
 
 #[derive(Copy, Clone, Debug, ValueEnum, PartialEq)]
@@ -217,6 +221,8 @@ fn main() -> Result<()> {
         Cmd::Config(a) => tern::cli::config::run(&a),
         Cmd::Verify(a) => tern::cli::verify::run(&a),
         Cmd::Serve(a) => tern::server::run(&a),
+        Cmd::Perplexity(a) => tern::eval::cli::perplexity(&a),
+        Cmd::Kld(a) => tern::eval::cli::kld(&a),
         Cmd::Logits {
             model,
             tokens,
