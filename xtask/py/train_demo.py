@@ -638,6 +638,9 @@ def main():
     write_gguf(f32, GEOM, tensors, tokens, types, merges, eos,
                "tern demo (qwen35, Shakespeare, MTP)", tmpl)
     np.save(os.path.join(args.out, "val_ids.npy"), val_ids.astype(np.int32))
+    # The held-out text itself: the text of `tern perplexity` / `tern kld` and of llama-perplexity's golden.
+    with open(os.path.join(args.out, "heldout.txt"), "w", encoding="utf-8", newline="\n") as fh:
+        fh.write(val_text)
     # The trained torch model's own logits on 80 held-out tokens (trunk and MTP head, MTP row 0
     # fed h = 0 as llama.cpp's draft-mtp does for a new sequence), to check the export against
     # xtask/py/reference.py.

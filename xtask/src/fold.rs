@@ -90,6 +90,45 @@ pub fn decode_pq2_0_row(bytes: &[u8]) -> Vec<f32> {
     out
 }
 
+pub const PTQ1_0_BYTES: usize = 28;
+
+/// Packs trits (each 0, 1 or 2; the first most significant) into one byte as the fixed-point
+/// fraction `ceil(t · 256 / 243)` of their base-3 number t (format-pq2_0.md §4), so that trit n
+/// reads back as `((byte · 3^n) mod 256 · 3) >> 8`.
+fn pack_trits(trits: &[u8; 5]) -> u8 {
+    let t = trits.iter().fold(0u32, |acc, &x| acc * 3 + x as u32);
+    (t * 256).div_ceil(243) as u8
+}
+
+/// One PTQ1_0 block from ternary codes (0, 1, 2 = -1, 0, +1): bytes 0..16 hold elements
+/// `n·16 + m` (trit n of byte m), bytes 16..24 elements `80 + n·8 + m`, the two `qh` bytes
+/// elements `120 + n·2 + h` (four trits, shifted up one place), then f16 `d` last.
+pub fn encode_ptq1_0_block(d: half::f16, codes: &[u8]) -> [u8; PTQ1_0_BYTES] {
+    assert_eq!(codes.len(), 128);
+    assert!(
+        codes.iter().all(|&c| c < 3),
+        "PTQ1_0 holds ternary codes only"
+    );
+    let mut b = [0u8; PTQ1_0_BYTES];
+    for m in 0..16 {
+        b[m] = pack_trits(&std::array::from_fn(|n| codes[n * 16 + m]));
+    }
+    for m in 0..8 {
+        b[16 + m] = pack_trits(&std::array::from_fn(|n| codes[80 + n * 8 + m]));
+    }
+    for h in 0..2 {
+        b[24 + h] = pack_trits(&std::array::from_fn(|n| {
+            if n < 4 {
+                codes[120 + n * 2 + h]
+            } else {
+                0
+            }
+        }));
+    }
+    b[26..28].copy_from_slice(&d.to_bits().to_le_bytes());
+    b
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -166,6 +205,18 @@ mod tests {
         let w = decode_pq2_0_row(&b);
         for j in 0..128 {
             assert_eq!(w[j], (codes[j] as f32 - 1.0) * 0.5);
+        }
+    }
+
+    #[test]
+    fn ptq1_0_codes_read_back_through_tern() {
+        let codes: Vec<u8> = (0..128).map(|j| (j * 5 % 3) as u8).collect();
+        let d = half::f16::from_f32(0.25);
+        let b = encode_ptq1_0_block(d, &codes);
+        let mut w = vec![0f32; 128];
+        tern::quant::dequantize_row(tern::tensor::GgmlType::PTQ1_0, &b, &mut w).unwrap();
+        for j in 0..128 {
+            assert_eq!(w[j], (codes[j] as f32 - 1.0) * 0.25, "element {j}");
         }
     }
 }

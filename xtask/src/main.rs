@@ -3,6 +3,7 @@
 mod bench;
 mod fixtures;
 mod fold;
+mod quality;
 mod rng;
 mod train_demo;
 mod vocab;
@@ -14,9 +15,12 @@ use anyhow::{bail, Result};
 const USAGE: &str = "usage: cargo xtask <task>
   fixtures [--out DIR]  write the tiny golden-test GGUFs, their twins and manifest.json to fixtures/
   fixtures --bench      write fixtures/bench/bench-0.8b-{q8_0,pq2_0}.gguf (large, not committed)
-  goldens               run stock llama.cpp (llama-cpp-python) and the NumPy reference on the
+  goldens [--perplexity-only]
+                        run stock llama.cpp (llama-cpp-python) and the NumPy reference on the
                         fixtures, writing fixtures/golden/ (needs TERN_PYTHON or python3 with
-                        llama-cpp-python==0.3.36, gguf, numpy)
+                        llama-cpp-python==0.3.36, gguf, numpy), and llama-perplexity
+                        (TERN_LLAMA_BIN: the directory with it) on the F16 demo model over
+                        fixtures/demo/heldout.txt (fixtures/golden/perplexity.json)
   bench [--backend cpu,wgpu,cuda] [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
                         tern vs stock llama.cpp on the bench files (default: fixtures/bench/*);
                         GB/s of weights streamed per decoded token, and on cuda against the
@@ -31,7 +35,17 @@ const USAGE: &str = "usage: cargo xtask <task>
                         fixtures/demo/demo-{f16,q8_0,pq2_0}.gguf, evaluate them with tern and
                         record llama.cpp's greedy continuations (TERN_PYTHON); --no-train
                         re-exports and re-evaluates the last run in --work
-                        (default target/demo-train)";
+                        (default target/demo-train); also writes demo-ptq1_0.gguf from the F16
+                        file and the held-out text fixtures/demo/heldout.txt
+  quality [--bench [--chunks N]]
+                        the quantization tables by tern's kld: the demo files against the F16
+                        file on the held-out plays, and F16 on wgpu against the CPU
+                        (fixtures/demo/quality.json), or with --bench bench-0.8b PQ2_0 against
+                        Q8_0 on the CPU over N chunks of 512 (default 4;
+                        fixtures/bench/quality.json)
+  train-demo --ptq1_0-only
+                        only write fixtures/demo/demo-ptq1_0.gguf from the committed
+                        demo-f16.gguf (no PyTorch, no retraining)";
 
 /// The Python that has llama-cpp-python: $TERN_PYTHON, else python3 on the PATH.
 fn python() -> String {
@@ -75,14 +89,29 @@ fn main() -> Result<()> {
         }
         Some("goldens") => {
             let root = workspace_root();
+            let only_ppl = args[1..].iter().any(|a| a == "--perplexity-only");
+            if !only_ppl {
+                let st = std::process::Command::new(python())
+                    .arg(root.join("xtask/py/goldens.py"))
+                    .args(["--fixtures", "fixtures", "--out", "fixtures/golden"])
+                    .args(&args[1..])
+                    .current_dir(&root)
+                    .status()?;
+                if !st.success() {
+                    bail!("goldens.py failed ({st})");
+                }
+            }
+            // llama-perplexity's figure on the F16 demo model over the held-out plays.
+            let Ok(bin) = std::env::var("TERN_LLAMA_BIN") else {
+                bail!("the perplexity golden runs stock llama-perplexity: set TERN_LLAMA_BIN to the directory that holds it (llama.cpp's build/bin)");
+            };
             let st = std::process::Command::new(python())
-                .arg(root.join("xtask/py/goldens.py"))
-                .args(["--fixtures", "fixtures", "--out", "fixtures/golden"])
-                .args(&args[1..])
+                .arg(root.join("xtask/py/perplexity_golden.py"))
+                .args(["--llama-bin", &bin])
                 .current_dir(&root)
                 .status()?;
             if !st.success() {
-                bail!("goldens.py failed ({st})");
+                bail!("perplexity_golden.py failed ({st})");
             }
             Ok(())
         }
@@ -144,6 +173,27 @@ fn main() -> Result<()> {
             }
             bench::run(&root, &o)
         }
+        Some("quality") => {
+            let root = workspace_root();
+            let mut bench = false;
+            let mut chunks = 4;
+            let mut it = args[1..].iter();
+            while let Some(a) = it.next() {
+                match a.as_str() {
+                    "--bench" => bench = true,
+                    "--chunks" => match it.next().map(|s| s.parse::<usize>()) {
+                        Some(Ok(n)) if n > 0 => chunks = n,
+                        _ => bail!("--chunks needs a positive number\n{USAGE}"),
+                    },
+                    other => bail!("unknown option {other}\n{USAGE}"),
+                }
+            }
+            if bench {
+                quality::bench(&root, chunks)
+            } else {
+                quality::demo(&root)
+            }
+        }
         Some("train-demo") => {
             let root = workspace_root();
             let mut o = train_demo::Options {
@@ -155,6 +205,9 @@ fn main() -> Result<()> {
                     .unwrap_or_else(|_| "python3".to_string()),
                 llama_python: python(),
             };
+            if args[1..].iter().any(|a| a == "--ptq1_0-only") {
+                return train_demo::export_ptq1_0(&root.join("fixtures/demo"));
+            }
             let mut it = args[1..].iter();
             while let Some(a) = it.next() {
                 match a.as_str() {

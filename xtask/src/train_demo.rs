@@ -49,6 +49,12 @@ pub const FILES: [(&str, GgmlType); 3] = [
     ("demo-pq2_0.gguf", GgmlType::PQ2_0),
 ];
 
+/// The PTQ1_0 file, derived from the committed F16 file (no retraining needed).
+pub const PTQ1_0_FILE: &str = "demo-ptq1_0.gguf";
+/// The held-out plays as text (the training script's validation text), the text of
+/// `tern perplexity`/`tern kld` figures and of the perplexity golden.
+pub const HELDOUT_TEXT: &str = "heldout.txt";
+
 pub struct Options {
     /// Retrain (otherwise reuse `work/demo-f32.gguf`).
     pub train: bool,
@@ -93,6 +99,9 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         let g = Gguf::open(&path)?;
         println!("{file:<18} {:>9} bytes", g.file_len());
     }
+    export_ptq1_0(&out)?;
+    std::fs::copy(o.work.join(HELDOUT_TEXT), out.join(HELDOUT_TEXT))
+        .with_context(|| format!("{} (written by train_demo.py)", HELDOUT_TEXT))?;
     // Training record: the plot and the per-step losses.
     std::fs::copy(o.work.join("loss.png"), out.join("loss.png"))?;
     let log: Json = serde_json::from_str(&std::fs::read_to_string(o.work.join("train_log.json"))?)?;
@@ -157,10 +166,10 @@ fn encode_rows(ty: GgmlType, ne0: usize, w: &[f32]) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// The trained F32 file re-encoded: every 2-D weight in `ty` (norms, conv, ssm_a and dt bias
-/// stay F32). For PQ2_0, the trunk's matmul weights, `output` and `token_embd` are folded
-/// through a randomized Hadamard transform and ternarised; ssm_alpha/beta are BF16 and the MTP
-/// block Q8_0, as in PrismML's files.
+/// The trained F32 file (or the F16 file made from it) re-encoded: every 2-D weight in `ty`
+/// (norms, conv, ssm_a and dt bias stay F32). For PQ2_0 and PTQ1_0, the trunk's matmul weights,
+/// `output` and `token_embd` are folded through a randomized Hadamard transform and ternarised;
+/// ssm_alpha/beta are BF16 and the MTP block Q8_0, as in PrismML's files.
 pub fn encode_file(src: &Gguf, ty: GgmlType) -> Result<GgufWriter> {
     let n_layer = (src.get_u64("qwen35.block_count").context("block_count")?
         - src.get_u64("qwen35.nextn_predict_layers").unwrap_or(0)) as usize;
@@ -169,36 +178,44 @@ pub fn encode_file(src: &Gguf, ty: GgmlType) -> Result<GgufWriter> {
         GgmlType::F16 => (1u32, "F16"),
         GgmlType::Q8_0 => (7, "Q8_0"),
         GgmlType::PQ2_0 => (141, "PQ2_0"),
+        // LLAMA_FTYPE_MOSTLY_PQ2_0 is 141 (format-pq2_0.md); the PrismML fork's PTQ1_0 ftype is
+        // not in our sources, so this takes the next id. Loaders read the tensor types, not this.
+        GgmlType::PTQ1_0 => (142, "PTQ1_0"),
         _ => bail!("no demo file of type {ty:?}"),
     };
     for (k, v) in src.metadata() {
         let v = match k.as_str() {
             "general.file_type" => Value::U32(ft),
             "general.name" => {
-                Value::String(format!("{} {tname}", v.as_str().unwrap_or("tern demo")))
+                // The F16 file's name carries its type; the derived file gets its own.
+                let base = v.as_str().unwrap_or("tern demo");
+                Value::String(format!("{} {tname}", base.trim_end_matches(" F16")))
             }
             _ => v.clone(),
         };
         w.set(k, v);
     }
+    for t in src.tensors() {
+        if !matches!(t.ty, GgmlType::F32 | GgmlType::F16) {
+            bail!(
+                "{}: {} is {}; the source must be the trained F32 file or the F16 file",
+                src.path().display(),
+                t.name,
+                t.ty.name()
+            );
+        }
+    }
     let tensors: Vec<(String, Vec<u64>, Vec<f32>)> = src
         .tensors()
         .iter()
         .map(|t| {
-            let b = src.tensor_data(t);
-            let data: Vec<f32> = b
-                .chunks(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            (t.name.clone(), t.dims.clone(), data)
+            let mut data = vec![0f32; t.n_elements() as usize];
+            tern::quant::dequantize_row(t.ty, src.tensor_data(t), &mut data)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", t.name))?;
+            Ok((t.name.clone(), t.dims.clone(), data))
         })
-        .collect();
-    for (name, _, _) in &tensors {
-        if src.tensor(name).map(|t| t.ty) != Some(GgmlType::F32) {
-            bail!("{name}: the trained file must be all F32");
-        }
-    }
-    if ty != GgmlType::PQ2_0 {
+        .collect::<Result<_>>()?;
+    if !matches!(ty, GgmlType::PQ2_0 | GgmlType::PTQ1_0) {
         for (name, dims, data) in &tensors {
             let (t, bytes) = if is_matmul(name, dims) {
                 match ty {
@@ -213,8 +230,8 @@ pub fn encode_file(src: &Gguf, ty: GgmlType) -> Result<GgufWriter> {
         return Ok(w);
     }
 
-    // PQ2_0: which tensors fold, their sign vectors (one per input width), the fold and the
-    // ternarisation.
+    // PQ2_0 / PTQ1_0: which tensors fold, their sign vectors (one per input width), the fold
+    // and the ternarisation (the same codes and scale for both; only the packing differs).
     let folds = |name: &str, dims: &[u64]| {
         is_matmul(name, dims)
             && tern::quant::hadamard::is_foldable_name(name)
@@ -288,10 +305,15 @@ pub fn encode_file(src: &Gguf, ty: GgmlType) -> Result<GgufWriter> {
                 let z = fold::apply_h_blk(&h, HADAMARD_BLOCK, &sx);
                 for blk in z.chunks(fold::PQ2_0_BLOCK) {
                     let (d, codes) = ternarise(blk);
-                    bytes.extend_from_slice(&fold::encode_pq2_0_block(d, &codes));
+                    match ty {
+                        GgmlType::PQ2_0 => {
+                            bytes.extend_from_slice(&fold::encode_pq2_0_block(d, &codes))
+                        }
+                        _ => bytes.extend_from_slice(&fold::encode_ptq1_0_block(d, &codes)),
+                    }
                 }
             }
-            (GgmlType::PQ2_0, bytes)
+            (ty, bytes)
         } else if name.ends_with("ssm_alpha.weight") || name.ends_with("ssm_beta.weight") {
             let b = data
                 .iter()
@@ -306,6 +328,24 @@ pub fn encode_file(src: &Gguf, ty: GgmlType) -> Result<GgufWriter> {
         w.add_tensor(name, dims, t, bytes);
     }
     Ok(w)
+}
+
+/// Writes `demo-ptq1_0.gguf` from `demo-f16.gguf` in `dir`: the PQ2_0 file's fold and
+/// least-squares ternarisation, packed as PTQ1_0 (1.75 bits a weight). It starts from the F16
+/// file, not the trained F32 one, so that it can be made from a checkout without retraining.
+pub fn export_ptq1_0(dir: &Path) -> Result<()> {
+    let src_path = dir.join(FILES[0].0);
+    let src = Gguf::open(&src_path).with_context(|| src_path.display().to_string())?;
+    let w = encode_file(&src, GgmlType::PTQ1_0)?;
+    let path = dir.join(PTQ1_0_FILE);
+    w.write(&path)?;
+    let g = Gguf::open(&path)?;
+    println!(
+        "{PTQ1_0_FILE:<18} {:>9} bytes (from {})",
+        g.file_len(),
+        FILES[0].0
+    );
+    Ok(())
 }
 
 fn f32_bytes(w: &[f32]) -> Vec<u8> {
