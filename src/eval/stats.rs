@@ -386,6 +386,27 @@ impl Quantiles {
     }
 }
 
+/// Counts of per-position values by decade: `counts[0]` below `edges[0]`, `counts[i]` in
+/// `[edges[i-1], edges[i])`, the last at or above the last edge.
+#[derive(Clone, Debug, Serialize, PartialEq)]
+pub struct Histogram {
+    pub edges: Vec<f64>,
+    pub counts: Vec<usize>,
+}
+
+impl Histogram {
+    /// Decades from 1e-9 to 10: the whole range from a backend check's f16 floor to a
+    /// different argmax.
+    pub fn decades(values: &[f32]) -> Histogram {
+        let edges: Vec<f64> = (-9..=1).map(|e| 10f64.powi(e)).collect();
+        let mut counts = vec![0; edges.len() + 1];
+        for &v in values {
+            counts[edges.partition_point(|&e| e <= v as f64)] += 1;
+        }
+        Histogram { edges, counts }
+    }
+}
+
 /// The candidate's nucleus agreement.
 #[derive(Clone, Debug, Serialize, PartialEq)]
 pub struct NucleusAgreement {
@@ -408,6 +429,7 @@ pub struct KldReport {
     pub ppl_diff: Est,
     pub kld_mean: Est,
     pub kld: Quantiles,
+    pub kld_histogram: Histogram,
     /// The share of positions where the candidate's argmax is the base's (llama-perplexity's
     /// "Same top p").
     pub top1: Est,
@@ -470,6 +492,7 @@ impl KldReport {
                 err: kl.1,
             },
             kld: Quantiles::of(&kld),
+            kld_histogram: Histogram::decades(&kld),
             top1: Est {
                 value: top,
                 err: (top * (1.0 - top) / (n - 1.0)).sqrt(),
@@ -588,6 +611,18 @@ mod tests {
         let c = compare_row(&r, 0, entry(&b), 0.9);
         assert_eq!(c.same_nucleus, Some(true));
         assert!(!c.same_top);
+    }
+
+    #[test]
+    fn histogram_by_decade() {
+        let h = Histogram::decades(&[0.0, 2e-9, 5e-4, 0.02, 0.03, 50.0]);
+        assert_eq!(h.counts.len(), 12);
+        assert_eq!(h.counts[0], 1);
+        assert_eq!(h.counts[1], 1);
+        assert_eq!(h.counts[6], 1);
+        assert_eq!(h.counts[8], 2);
+        assert_eq!(h.counts[11], 1);
+        assert_eq!(h.counts.iter().sum::<usize>(), 6);
     }
 
     #[test]
