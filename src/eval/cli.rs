@@ -80,7 +80,9 @@ pub struct KldArgs {
     /// Step 2: measure the model (the candidate) against this base file.
     #[arg(long)]
     pub base: Option<PathBuf>,
-    /// Log-probabilities stored per position in the base file.
+    /// Log-probabilities stored per position in the base file (6 bytes each). The KL counts
+    /// the other tokens as one bin, a lower bound that nears the full-vocabulary KL as the
+    /// top-K hold the mass: raise it for flat (small or weak) models.
     #[arg(long = "top-k", default_value_t = 32, requires = "save_base")]
     pub top_k: usize,
     /// The nucleus of the same-top-p rate.
