@@ -3,6 +3,7 @@
 mod bench;
 mod fixtures;
 mod fold;
+mod llama_flags;
 mod quality;
 mod rng;
 mod train_demo;
@@ -29,6 +30,10 @@ const USAGE: &str = "usage: cargo xtask <task>
   bench --kernels       single-thread dot_row throughput per weight type
   bench --engine [--wgpu] [FILE]
                         the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on
+  llama-flags [--arg-cpp FILE]
+                        the options stock llama-server accepts, read from llama.cpp's
+                        common/arg.cpp (default: $TERN_LLAMA_CPP/common/arg.cpp), written to
+                        fixtures/llama-server-flags.json for tests/flags.rs
   train-demo [--no-train] [--steps N] [--no-llama] [--work DIR]
                         train the bundled demo model (PyTorch: TERN_TRAIN_PYTHON, default
                         python3, with torch, tokenizers, gguf, matplotlib), write
@@ -193,6 +198,26 @@ fn main() -> Result<()> {
             } else {
                 quality::demo(&root)
             }
+        }
+        Some("llama-flags") => {
+            let root = workspace_root();
+            let mut arg_cpp = std::env::var("TERN_LLAMA_CPP")
+                .map(|d| PathBuf::from(d).join("common/arg.cpp"))
+                .ok();
+            let mut it = args[1..].iter();
+            while let Some(a) = it.next() {
+                match a.as_str() {
+                    "--arg-cpp" => match it.next() {
+                        Some(f) => arg_cpp = Some(PathBuf::from(f)),
+                        None => bail!("--arg-cpp needs a file\n{USAGE}"),
+                    },
+                    other => bail!("unknown option {other}\n{USAGE}"),
+                }
+            }
+            let Some(arg_cpp) = arg_cpp else {
+                bail!("give --arg-cpp llama.cpp/common/arg.cpp or set TERN_LLAMA_CPP\n{USAGE}");
+            };
+            llama_flags::run(&arg_cpp, &root.join("fixtures/llama-server-flags.json"))
         }
         Some("train-demo") => {
             let root = workspace_root();
