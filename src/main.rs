@@ -273,6 +273,7 @@ fn main() -> Result<()> {
                 frequency_penalty: frequency_penalty.unwrap_or(d.frequency_penalty),
                 penalty_last_n: d.penalty_last_n,
                 seed,
+                ..d
             };
             sampler.validate().map_err(anyhow::Error::msg)?;
             on_backend!(pick_backend(backend)?, |be| generate(
@@ -344,6 +345,7 @@ where
                 },
                 stop: Vec::new(),
                 ignore_eos: false,
+                ..Default::default()
             })
         })
         .collect();

@@ -65,6 +65,7 @@ fn greedy(file: &Path, prompts: &[Vec<u32>], n: usize, spec: Option<SpecConfig>)
                 sampler: SamplerConfig::greedy(),
                 stop: vec![],
                 ignore_eos: true,
+                ..Default::default()
             })
             .collect()
             .unwrap()

@@ -52,6 +52,7 @@ fn req(prompt: Vec<u32>, n: usize) -> Request {
         sampler: SamplerConfig::greedy(),
         stop: vec![],
         ignore_eos: true,
+        ..Default::default()
     }
 }
 

@@ -14,6 +14,7 @@ use crate::backend::{Backend, KvTypes};
 use crate::model::{BatchItem, Model, ModelError};
 use crate::tokenizer::Tokenizer;
 
+use super::budget::BudgetConfig;
 use super::sampler::{Sampler, SamplerConfig};
 use super::speculative::{SlotDecoder, SpecConfig, SpecStats};
 
@@ -98,11 +99,42 @@ impl EngineConfig {
 #[derive(Clone, Debug)]
 pub struct Request {
     pub prompt: Vec<u32>,
-    /// Tokens to generate at most.
+    /// Tokens to generate at most; 0 evaluates the prompt into the slot and generates nothing
+    /// (llama.cpp's n_predict 0).
     pub max_tokens: usize,
     pub sampler: SamplerConfig,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
+    /// `--reasoning-budget`: close the thinking block after this many thinking tokens.
+    pub reasoning_budget: Option<BudgetConfig>,
+    /// Reuse the slot's cached prefix (llama-server's cache_prompt; default true).
+    pub cache_prompt: bool,
+    /// Render special tokens in the text (`--special`).
+    pub special: bool,
+}
+
+impl Default for Request {
+    fn default() -> Request {
+        Request {
+            prompt: Vec::new(),
+            max_tokens: 0,
+            sampler: SamplerConfig::default(),
+            stop: Vec::new(),
+            ignore_eos: false,
+            reasoning_budget: None,
+            cache_prompt: true,
+            special: false,
+        }
+    }
+}
+
+/// CPU thread pools for the engine's steps (`--threads`, `--threads-batch`): a step of one
+/// token runs on `decode`, any other on `batch` (llama.cpp's rule). `None` is rayon's global
+/// pool (every core).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Threads {
+    pub decode: Option<usize>,
+    pub batch: Option<usize>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -275,7 +307,22 @@ impl Engine {
     where
         B::W: 'static,
     {
+        Engine::start_with(model, be, tok, config, Threads::default())
+    }
+
+    /// [`Engine::start`] with its own CPU thread pools.
+    pub fn start_with<B: Backend + 'static>(
+        model: Model<B>,
+        be: B,
+        tok: Arc<Tokenizer>,
+        config: EngineConfig,
+        threads: Threads,
+    ) -> Result<Engine, EngineError>
+    where
+        B::W: 'static,
+    {
         config.validate(model.cfg.context_length, model.cfg.has_mtp())?;
+        let pools = Pools::new(threads)?;
         let n_vocab = model.cfg.n_vocab;
         let metrics = Arc::new(Mutex::new(Metrics {
             slots: vec![(false, 0); config.parallel],
@@ -303,6 +350,7 @@ impl Engine {
                 match booted {
                     Ok((mut w, allocated)) => {
                         let _ = boot_tx.send(Ok(allocated));
+                        w.pools = pools;
                         w.run(rx);
                     }
                     Err(e) => {
@@ -378,6 +426,34 @@ struct Worker<B: Backend> {
     queue: VecDeque<Submitted>,
     metrics: Arc<Mutex<Metrics>>,
     closed: bool,
+    pools: Pools,
+}
+
+/// The engine's own rayon pools (empty: the global pool).
+#[derive(Clone, Default)]
+struct Pools {
+    decode: Option<Arc<rayon::ThreadPool>>,
+    batch: Option<Arc<rayon::ThreadPool>>,
+}
+
+impl Pools {
+    fn new(t: Threads) -> Result<Pools, EngineError> {
+        let build = |n: usize, name: &'static str| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .thread_name(move |i| format!("tern-{name}-{i}"))
+                .build()
+                .map(Arc::new)
+                .map_err(|e| EngineError::Config(format!("cannot start {n} {name} threads: {e}")))
+        };
+        let decode = t.decode.map(|n| build(n, "decode")).transpose()?;
+        let batch = match (t.batch, t.decode) {
+            (Some(b), Some(d)) if b == d => decode.clone(),
+            (Some(b), _) => Some(build(b, "batch")?),
+            (None, _) => decode.clone(),
+        };
+        Ok(Pools { decode, batch })
+    }
 }
 
 /// The text of `bytes` up to an incomplete trailing UTF-8 sequence (held back until its last
@@ -479,6 +555,7 @@ impl<B: Backend> Worker<B> {
             queue: VecDeque::new(),
             metrics,
             closed: false,
+            pools: Pools::default(),
         };
         let allocated = w.boot_ledger()?;
         Ok((w, allocated))
@@ -594,14 +671,23 @@ impl<B: Backend> Worker<B> {
             }
             self.assign();
             self.publish();
+            // A step of one token runs on the decode pool, any other on the batch pool.
+            let pool = if self.one_token_step() {
+                self.pools.decode.clone()
+            } else {
+                self.pools.batch.clone()
+            };
             // A bug in a step must fail the requests in flight, not kill the engine.
-            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.step()))
-                .unwrap_or_else(|p| {
-                    Err(EngineError::Model(format!(
-                        "internal error: {}",
-                        panic_text(&p)
-                    )))
-                });
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &pool {
+                Some(p) => p.install(|| self.step()),
+                None => self.step(),
+            }))
+            .unwrap_or_else(|p| {
+                Err(EngineError::Model(format!(
+                    "internal error: {}",
+                    panic_text(&p)
+                )))
+            });
             if let Err(e) = r {
                 // A model error fails the requests in flight, never the process.
                 for i in 0..self.slots.len() {
@@ -612,6 +698,15 @@ impl<B: Backend> Worker<B> {
                 }
             }
             self.publish();
+        }
+    }
+
+    /// Whether the next step feeds one token: a single busy slot decoding without drafts.
+    fn one_token_step(&self) -> bool {
+        let mut busy = self.slots.iter().filter_map(|s| s.task.as_ref());
+        match (busy.next(), busy.next()) {
+            (Some(t), None) => matches!(t.phase, Phase::Decode) && self.cfg.spec.is_none(),
+            _ => false,
         }
     }
 
@@ -774,14 +869,19 @@ impl<B: Backend> Worker<B> {
                 return;
             };
             let sub = self.queue.pop_front().unwrap();
-            let reuse = self.reusable(best, &sub.req.prompt);
+            let reuse = if sub.req.cache_prompt {
+                self.reusable(best, &sub.req.prompt)
+            } else {
+                0
+            };
             if reuse == 0 {
                 self.reset_slot(best);
             } else {
                 self.rewind(best, reuse);
             }
             let slot = &mut self.slots[best];
-            slot.dec.sampler = Sampler::new(sub.req.sampler.clone());
+            slot.dec.sampler =
+                Sampler::new(sub.req.sampler.clone()).with_budget(sub.req.reasoning_budget.clone());
             slot.dec.last = None;
             let _ = sub.tx.send(Event::Started {
                 slot: best,
@@ -854,7 +954,6 @@ impl<B: Backend> Worker<B> {
             return Ok(());
         }
         let t0 = Instant::now();
-        let n_tokens: usize = plan.iter().map(|p| p.1.len()).sum();
         let outs = {
             let mut seqs: Vec<Option<&mut crate::model::SeqState<B>>> = self
                 .slots
@@ -882,10 +981,10 @@ impl<B: Backend> Worker<B> {
         {
             let mut m = self.metrics.lock().unwrap();
             m.n_decode_total += 1;
-            m.n_tokens_max = m.n_tokens_max.max(n_tokens as u64);
             m.n_busy_slots_total += plan.len() as u64;
         }
         let mut emitted: Vec<(usize, Vec<u32>)> = Vec::new();
+        let mut prompt_only: Vec<usize> = Vec::new();
         for ((i, toks, rows, is_prefill), out) in plan.iter().zip(outs) {
             let i = *i;
             if *is_prefill {
@@ -919,6 +1018,11 @@ impl<B: Backend> Worker<B> {
                 }
                 s.ckpt.pos = Some(s.tokens.len());
                 s.ckpt.pending_h = s.dec.mtp.as_ref().map(|m| self.be.rows(&m.pending_h, 0, 1));
+                if task.req.max_tokens == 0 {
+                    // n_predict 0: the prompt is in the slot's cache; nothing is generated.
+                    prompt_only.push(i);
+                    continue;
+                }
                 let id = s.dec.sample_row(&self.be, &out.logits, 0, 1);
                 s.dec.last = Some(id);
                 emitted.push((i, vec![id]));
@@ -942,6 +1046,15 @@ impl<B: Backend> Worker<B> {
                 emitted.push((i, v.produced));
             }
         }
+        for i in prompt_only {
+            self.finish(i, FinishReason::Length, None);
+        }
+        // llama-server's n_tokens_max: the longest sequence any slot held after a decode.
+        {
+            let longest = self.slots.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+            let mut m = self.metrics.lock().unwrap();
+            m.n_tokens_max = m.n_tokens_max.max(longest as u64);
+        }
         for (i, ids) in emitted {
             for id in ids {
                 if self.slots[i].task.is_none() {
@@ -964,8 +1077,10 @@ impl<B: Backend> Worker<B> {
             return;
         }
         task.generated.push(id);
-        task.bytes
-            .extend(tok.decode_bytes(&[id], true).unwrap_or_default());
+        task.bytes.extend(
+            tok.decode_bytes(&[id], !task.req.special)
+                .unwrap_or_default(),
+        );
         let (text, _) = utf8_prefix(&task.bytes);
         let valid = text.len();
         let mut stop_hit = None;

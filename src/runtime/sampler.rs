@@ -15,6 +15,9 @@ pub struct SamplerConfig {
     pub min_p: f32,
     pub presence_penalty: f32,
     pub frequency_penalty: f32,
+    /// llama.cpp's repeat penalty: a seen token's positive logit is divided by it, a negative
+    /// one multiplied (1.0 = off).
+    pub repeat_penalty: f32,
     /// How many recent tokens the penalties look at (llama.cpp's penalty_last_n).
     pub penalty_last_n: usize,
     pub seed: u64,
@@ -30,6 +33,7 @@ impl Default for SamplerConfig {
             min_p: 0.05,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            repeat_penalty: 1.0,
             penalty_last_n: 64,
             seed: 0,
         }
@@ -84,12 +88,18 @@ impl SamplerConfig {
         if !(-2.0..=2.0).contains(&self.frequency_penalty) {
             return bad("frequency_penalty", self.frequency_penalty, "-2..=2");
         }
+        let r = self.repeat_penalty;
+        if !(r.is_finite() && r > 0.0 && (1.0 / r).is_finite()) {
+            return bad("repeat_penalty", r, "finite and > 0");
+        }
         Ok(())
     }
 }
 
 pub struct Sampler {
     cfg: SamplerConfig,
+    /// `--reasoning-budget`, when armed.
+    budget: Option<super::budget::ReasoningBudget>,
     state: u64,
     /// Tokens generated so far (the penalty window is the last `penalty_last_n`).
     history: Vec<u32>,
@@ -100,9 +110,21 @@ impl Sampler {
         let state = cfg.seed ^ 0x9E37_79B9_7F4A_7C15;
         Sampler {
             cfg,
+            budget: None,
             state,
             history: Vec::new(),
         }
+    }
+
+    /// Arms a reasoning budget over this generation.
+    pub fn with_budget(mut self, budget: Option<super::budget::BudgetConfig>) -> Sampler {
+        self.budget = budget.map(super::budget::ReasoningBudget::new);
+        self
+    }
+
+    /// The token the reasoning budget forces next, if any.
+    pub fn forced(&self) -> Option<u32> {
+        self.budget.as_ref().and_then(|b| b.forced())
     }
 
     pub fn config(&self) -> &SamplerConfig {
@@ -113,11 +135,15 @@ impl Sampler {
         self.cfg.temperature <= 0.0
             && self.cfg.presence_penalty == 0.0
             && self.cfg.frequency_penalty == 0.0
+            && self.cfg.repeat_penalty == 1.0
     }
 
     /// Records a token as generated (penalties see it from now on).
     pub fn accept(&mut self, id: u32) {
         self.history.push(id);
+        if let Some(b) = &mut self.budget {
+            b.accept(id);
+        }
     }
 
     /// splitmix64: small, seedable, one uniform per token.
@@ -131,8 +157,12 @@ impl Sampler {
     }
 
     fn apply_penalties(&self, logits: &mut [f32]) {
-        let (pp, fp) = (self.cfg.presence_penalty, self.cfg.frequency_penalty);
-        if (pp == 0.0 && fp == 0.0) || self.cfg.penalty_last_n == 0 {
+        let (pp, fp, rp) = (
+            self.cfg.presence_penalty,
+            self.cfg.frequency_penalty,
+            self.cfg.repeat_penalty,
+        );
+        if (pp == 0.0 && fp == 0.0 && rp == 1.0) || self.cfg.penalty_last_n == 0 {
             return;
         }
         let start = self.history.len().saturating_sub(self.cfg.penalty_last_n);
@@ -142,6 +172,11 @@ impl Sampler {
         }
         for (t, n) in counts {
             if let Some(l) = logits.get_mut(t as usize) {
+                if *l <= 0.0 {
+                    *l *= rp;
+                } else {
+                    *l /= rp;
+                }
                 *l -= n as f32 * fp + pp;
             }
         }

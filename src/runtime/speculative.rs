@@ -124,7 +124,9 @@ impl<B: Backend> SlotDecoder<B> {
     }
 
     pub fn sample_row(&mut self, be: &B, logits: &B::T, row: usize, n_rows: usize) -> u32 {
-        let id = if self.sampler.is_greedy() {
+        let id = if let Some(forced) = self.sampler.forced() {
+            forced
+        } else if self.sampler.is_greedy() {
             if n_rows == 1 {
                 be.argmax_rows(logits)[0]
             } else {

@@ -266,6 +266,7 @@ pub(super) fn request_of(state: &AppState, ids: Vec<u32>, gen: &GenParams) -> Re
         sampler: gen.sampler.clone(),
         stop: gen.stop.clone(),
         ignore_eos: gen.ignore_eos,
+        ..Default::default()
     }
 }
 

@@ -348,6 +348,7 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                                 sampler: SamplerConfig::greedy(),
                                 stop: vec![],
                                 ignore_eos: true,
+                                ..Default::default()
                             })
                         })
                         .collect();

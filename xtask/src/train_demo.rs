@@ -488,6 +488,7 @@ pub fn tern_greedy(
             sampler: SamplerConfig::greedy(),
             stop: vec![],
             ignore_eos: true,
+            ..Default::default()
         });
         let (ids, _, _) = h.collect().map_err(|e| anyhow::anyhow!("{e}"))?;
         outs.push(ids);
