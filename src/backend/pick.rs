@@ -66,39 +66,42 @@ pub fn pick(name: &str) -> Result<Picked, BackendError> {
         "cpu" => Ok(Picked::Cpu(CpuBackend::new())),
         "wgpu" => {
             let be = WgpuBackend::new()?;
-            eprintln!("{}", be.dev.describe());
+            tracing::info!(target: "tern::backend", "{}", be.dev.describe());
             Ok(Picked::Wgpu(be))
         }
         "cuda" => {
             let (picked, line) = open_cuda()?;
-            eprintln!("{line}");
+            tracing::info!(target: "tern::backend", "{line}");
             Ok(picked)
         }
         "auto" => {
             match open_cuda() {
                 Ok((picked, line)) => {
-                    eprintln!("backend: cuda (auto); {line}");
+                    tracing::info!(target: "tern::backend", "backend: cuda (auto); {line}");
                     return Ok(picked);
                 }
                 // Only a build with the feature has something to say about CUDA.
-                Err(e) if CUDA_BUILT => eprintln!("backend: not cuda (auto: {e})"),
+                Err(e) if CUDA_BUILT => {
+                    tracing::info!(target: "tern::backend", "backend: not cuda (auto: {e})")
+                }
                 Err(_) => {}
             }
             match WgpuBackend::new() {
                 // A software rasterizer (lavapipe, WARP) is slower than the CPU backend.
                 Ok(be) if be.dev.info.device_type == wgpu::DeviceType::Cpu => {
-                    eprintln!(
+                    tracing::info!(
+                        target: "tern::backend",
                         "backend: cpu (auto: the only wgpu adapter, {:?}, is a software renderer; --backend wgpu forces it)",
                         be.dev.info.name
                     );
                     Ok(Picked::Cpu(CpuBackend::new()))
                 }
                 Ok(be) => {
-                    eprintln!("backend: wgpu (auto); {}", be.dev.describe());
+                    tracing::info!(target: "tern::backend", "backend: wgpu (auto); {}", be.dev.describe());
                     Ok(Picked::Wgpu(be))
                 }
                 Err(e) => {
-                    eprintln!("backend: cpu (auto: {e})");
+                    tracing::info!(target: "tern::backend", "backend: cpu (auto: {e})");
                     Ok(Picked::Cpu(CpuBackend::new()))
                 }
             }
