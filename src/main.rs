@@ -1,26 +1,22 @@
-use std::io::Write;
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
 
 use anyhow::{bail, Result};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
 use tern::backend::pick::Picked;
 use tern::backend::Backend;
-use tern::backend::KvTypes;
 use tern::gguf::Gguf;
 use tern::model::Model;
-use tern::runtime::engine::{Engine, EngineConfig, Event, Request};
-use tern::runtime::sampler::SamplerConfig;
-use tern::runtime::speculative::SpecConfig;
-use tern::tensor::GgmlType;
 use tern::tokenizer::Tokenizer;
 
 #[derive(Parser)]
 #[command(
     name = "tern",
     version,
+    long_version = tern::LONG_VERSION,
+    propagate_version = true,
     about = "Inference engine for Qwen3.5 (qwen35) GGUF models"
 )]
 struct Cli {
@@ -43,6 +39,10 @@ enum LogitsMode {
     /// One token per forward call, carrying the state.
     Decode,
 }
+
+/// The subcommands that take the settings, and with them llama-server's whole flag table
+/// (its short forms, aliases, warnings and refusals: `tern::config::flags`).
+const SETTINGS_COMMANDS: &[&str] = &["serve", "generate", "fit", "config"];
 
 #[derive(Subcommand)]
 enum Cmd {
@@ -72,120 +72,43 @@ enum Cmd {
         #[arg(long, short = 'o')]
         out: PathBuf,
     },
-    /// Generate text from a prompt.
-    Generate {
-        #[arg(long, short = 'm')]
-        model: Option<PathBuf>,
-        #[arg(long, short = 'p')]
-        prompt: String,
-        /// Tokens to generate.
-        #[arg(short = 'n', long = "n-predict", default_value_t = 64)]
-        n_predict: usize,
-        /// Sampling temperature; 0 is greedy. Unset fields take the model's own defaults
-        /// (general.sampling.*), then llama.cpp's.
-        #[arg(long)]
-        temp: Option<f32>,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        #[arg(long = "top-k")]
-        top_k: Option<usize>,
-        #[arg(long = "top-p")]
-        top_p: Option<f32>,
-        #[arg(long = "min-p")]
-        min_p: Option<f32>,
-        #[arg(long = "presence-penalty")]
-        presence_penalty: Option<f32>,
-        #[arg(long = "frequency-penalty")]
-        frequency_penalty: Option<f32>,
-        #[arg(long, value_enum, default_value = "auto")]
-        backend: BackendName,
-        #[command(flatten)]
-        engine: EngineArgs,
-    },
+    /// Generate text from a prompt with the serving engine (the settings of `serve`).
+    #[command(args_override_self = true)]
+    Generate(tern::cli::generate::GenerateArgs),
     /// Price a shape (KV, draft KV, recurrent state, weights, buffers) against the device budget.
+    #[command(args_override_self = true)]
     Fit(tern::cli::fit::FitArgs),
-    /// Show the merged settings (config file, then flags) as YAML.
+    /// Show the merged settings (config file, environment, flags) as YAML.
+    #[command(args_override_self = true)]
     Config(tern::cli::config::ConfigArgs),
     /// Check files' byte counts and sha256 (streamed; progress bar on a terminal).
     Verify(tern::cli::verify::VerifyArgs),
     /// Serve the model over llama-server's HTTP API (OpenAI-compatible).
-    Serve(tern::server::ServeArgs),
+    #[command(args_override_self = true)]
+    Serve(tern::cli::ServeArgs),
     /// Perplexity of a text, by llama-perplexity's method (chunks, second half scored).
     Perplexity(tern::eval::cli::PerplexityArgs),
     /// KL divergence of a candidate from a reference: --save-base, then --base (a gate).
     Kld(tern::eval::cli::KldArgs),
-}
-
-#[derive(Copy, Clone, Debug, ValueEnum, PartialEq)]
-enum SpecType {
-    None,
-    DraftMtp,
-}
-
-/// Slots, pool and drafting, with llama-server's flag names.
-#[derive(clap::Args, Debug)]
-struct EngineArgs {
-    /// Concurrent streams (slots); generate runs the prompt once per slot.
-    #[arg(long, short = 'P', default_value_t = 1)]
-    parallel: usize,
-    /// The KV pool in tokens, shared evenly by the slots (default 4096 per slot, capped at the
-    /// trained context).
-    #[arg(long = "ctx-size", short = 'c')]
-    ctx_size: Option<usize>,
-    #[arg(long = "ubatch-size", default_value_t = 512)]
-    ubatch_size: usize,
-    #[arg(long = "cache-type-k", default_value = "f16")]
-    cache_type_k: String,
-    #[arg(long = "cache-type-v", default_value = "f16")]
-    cache_type_v: String,
-    #[arg(long = "spec-type", value_enum, default_value = "none")]
-    spec_type: SpecType,
-    #[arg(long = "spec-draft-n-max", default_value_t = 3)]
-    spec_draft_n_max: usize,
-    #[arg(long = "spec-draft-n-min", default_value_t = 0)]
-    spec_draft_n_min: usize,
-    #[arg(long = "spec-draft-p-min", default_value_t = 0.0)]
-    spec_draft_p_min: f32,
-    #[arg(long = "spec-draft-type-k", default_value = "f16")]
-    spec_draft_type_k: String,
-    #[arg(long = "spec-draft-type-v", default_value = "f16")]
-    spec_draft_type_v: String,
-}
-
-impl EngineArgs {
-    fn config(&self, trained: usize) -> Result<EngineConfig> {
-        let parse = |flag: &str, v: &str| {
-            GgmlType::parse_name(v).ok_or_else(|| {
-                anyhow::anyhow!("--{flag} {v:?}: expected f32, f16, bf16, q8_0 or q4_0")
-            })
-        };
-        let parallel = self.parallel.max(1);
-        Ok(EngineConfig {
-            ctx_size: self.ctx_size.unwrap_or(4096.min(trained) * parallel),
-            parallel,
-            ubatch: self.ubatch_size,
-            kv_types: KvTypes {
-                k: parse("cache-type-k", &self.cache_type_k)?,
-                v: parse("cache-type-v", &self.cache_type_v)?,
-            },
-            spec: (self.spec_type == SpecType::DraftMtp).then_some(SpecConfig {
-                n_max: self.spec_draft_n_max,
-                n_min: self.spec_draft_n_min,
-                p_min: self.spec_draft_p_min,
-            }),
-            draft_kv_types: KvTypes {
-                k: parse("spec-draft-type-k", &self.spec_draft_type_k)?,
-                v: parse("spec-draft-type-v", &self.spec_draft_type_v)?,
-            },
-        })
-    }
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 fn open_file(model: Option<PathBuf>) -> Result<Arc<Gguf>> {
-    Ok(Arc::new(match model {
-        Some(p) => Gguf::open(&p)?,
-        None => tern::bundled::default_model()?,
-    }))
+    Ok(match model {
+        Some(p) if p.is_dir() => {
+            // The same refusal as the model loaders', naming the GGUF files inside.
+            return Err(tern::plan::boot::open_model(Some(&p))
+                .err()
+                .map(anyhow::Error::new)
+                .unwrap_or_else(|| anyhow::anyhow!("{} is a directory", p.display())));
+        }
+        Some(p) => Arc::new(Gguf::open(&p)?),
+        None => Arc::new(tern::bundled::default_model()?),
+    })
 }
 
 macro_rules! on_backend {
@@ -212,15 +135,35 @@ fn pick_backend(name: BackendName) -> Result<Picked> {
 #[global_allocator]
 static HEAP: tern::alloc::Counting = tern::alloc::Counting;
 
-fn main() -> Result<()> {
+fn main() -> ExitCode {
     HEAP.mark_installed();
-    let cli = Cli::parse();
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tern::cli::print_error(&e);
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<()> {
+    let (args, given) = tern::cli::prepare_args(std::env::args_os(), SETTINGS_COMMANDS)?;
+    let cli = Cli::try_parse_from(args).unwrap_or_else(|e| e.exit());
+    if matches!(
+        cli.cmd,
+        Cmd::Inspect { .. } | Cmd::Logits { .. } | Cmd::Perplexity(_) | Cmd::Kld(_)
+    ) {
+        // The commands without settings log at the default level (the backend's choice).
+        tern::cli::logging::init(&tern::config::Settings::default())?;
+    }
     match cli.cmd {
         Cmd::Inspect { model, tensors } => inspect(open_file(model)?, tensors),
-        Cmd::Fit(a) => tern::cli::fit::run(&a),
-        Cmd::Config(a) => tern::cli::config::run(&a),
+        Cmd::Fit(a) => tern::cli::fit::run(&a, given),
+        Cmd::Config(a) => tern::cli::config::run(&a, given),
         Cmd::Verify(a) => tern::cli::verify::run(&a),
-        Cmd::Serve(a) => tern::server::run(&a),
+        Cmd::Serve(a) => tern::cli::serve(&a, given),
+        Cmd::Generate(a) => tern::cli::generate::run(&a, given),
+        Cmd::Completions { shell } => tern::cli::completions(shell, &mut Cli::command()),
         Cmd::Perplexity(a) => tern::eval::cli::perplexity(&a),
         Cmd::Kld(a) => tern::eval::cli::kld(&a),
         Cmd::Logits {
@@ -248,38 +191,6 @@ fn main() -> Result<()> {
             eprintln!("wrote {} [{} x {}]", out.display(), tokens.len(), n_vocab);
             Ok(())
         }
-        Cmd::Generate {
-            model,
-            prompt,
-            n_predict,
-            temp,
-            seed,
-            top_k,
-            top_p,
-            min_p,
-            presence_penalty,
-            frequency_penalty,
-            backend,
-            engine,
-        } => {
-            let file = open_file(model)?;
-            let d = SamplerConfig::from_gguf(&file);
-            let sampler = SamplerConfig {
-                temperature: temp.unwrap_or(d.temperature),
-                top_k: top_k.unwrap_or(d.top_k),
-                top_p: top_p.unwrap_or(d.top_p),
-                min_p: min_p.unwrap_or(d.min_p),
-                presence_penalty: presence_penalty.unwrap_or(d.presence_penalty),
-                frequency_penalty: frequency_penalty.unwrap_or(d.frequency_penalty),
-                penalty_last_n: d.penalty_last_n,
-                seed,
-                ..d
-            };
-            sampler.validate().map_err(anyhow::Error::msg)?;
-            on_backend!(pick_backend(backend)?, |be| generate(
-                be, file, &prompt, n_predict, sampler, &engine
-            ))
-        }
     }
 }
 
@@ -300,104 +211,6 @@ fn logits_rows<B: Backend>(
             rows
         }
     })
-}
-
-fn generate<B: Backend + 'static>(
-    be: B,
-    file: Arc<Gguf>,
-    prompt: &str,
-    n: usize,
-    sc: SamplerConfig,
-    args: &EngineArgs,
-) -> Result<()>
-where
-    B::W: 'static,
-{
-    let tok = Arc::new(Tokenizer::from_gguf(&file)?);
-    let name = be.name();
-    // The planner prices the shape before anything is allocated and refuses one that does not
-    // fit; the boot ledger then sets what was allocated beside it.
-    let mcfg = tern::model::Config::from_gguf(&file)?;
-    let cfg = args.config(mcfg.context_length)?;
-    let kind = match name {
-        "cpu" => tern::plan::BackendKind::Cpu,
-        "wgpu" => tern::plan::BackendKind::Wgpu,
-        _ => tern::plan::BackendKind::Cuda,
-    };
-    let shape = tern::cli::boot::shape_of(&cfg, kind, args.ubatch_size as u64)?;
-    let ledger = tern::cli::boot::plan(&file, &shape, None, "the model")?;
-    let m = Model::load(&be, file)?;
-    let ids = tok.encode(prompt, true, true)?;
-    if ids.is_empty() {
-        bail!("the prompt tokenizes to nothing");
-    }
-    let engine = Engine::start(m, be, tok, cfg.clone())?;
-    tern::cli::boot::report(&ledger, &engine.allocated);
-    let t0 = Instant::now();
-    let handles: Vec<_> = (0..cfg.parallel)
-        .map(|i| {
-            engine.submit(Request {
-                prompt: ids.clone(),
-                max_tokens: n,
-                sampler: SamplerConfig {
-                    seed: sc.seed + i as u64,
-                    ..sc.clone()
-                },
-                stop: Vec::new(),
-                ignore_eos: false,
-                ..Default::default()
-            })
-        })
-        .collect();
-    let mut finishes = Vec::new();
-    let mut stdout = std::io::stdout().lock();
-    for (i, h) in handles.into_iter().enumerate() {
-        if cfg.parallel > 1 {
-            writeln!(stdout, "--- stream {i} ---")?;
-        }
-        // Streams as the tokens arrive (the other slots keep decoding meanwhile).
-        let fin = loop {
-            match h.events.recv() {
-                Ok(Event::Token { text, .. }) | Ok(Event::Text(text)) => {
-                    stdout.write_all(text.as_bytes())?;
-                    stdout.flush()?;
-                }
-                Ok(Event::Started { .. }) => {}
-                Ok(Event::Done(f)) => break f,
-                Ok(Event::Error(e)) => bail!("{e}"),
-                Err(_) => bail!("the engine stopped"),
-            }
-        };
-        writeln!(stdout)?;
-        finishes.push(fin);
-    }
-    let wall = t0.elapsed().as_secs_f64();
-    let total: usize = finishes.iter().map(|f| f.completion_tokens).sum();
-    for (i, f) in finishes.iter().enumerate() {
-        let t = &f.timings;
-        eprintln!(
-            "stream {i}: prompt {} tokens in {:.1} ms ({:.1} t/s); generated {} tokens in {:.1} ms ({:.1} t/s); drafted {} accepted {}; finish {:?}",
-            t.prompt_n,
-            t.prompt_ms,
-            t.prompt_n as f64 / (t.prompt_ms / 1e3).max(1e-9),
-            t.predicted_n,
-            t.predicted_ms,
-            t.predicted_n as f64 / (t.predicted_ms / 1e3).max(1e-9),
-            t.draft_n,
-            t.draft_n_accepted,
-            f.reason
-        );
-    }
-    let m = engine.metrics();
-    eprintln!(
-        "backend {name}: {} streams, {total} tokens in {wall:.3} s ({:.1} t/s aggregate); draft acceptance rate = {:.3} ({} accepted / {} generated)",
-        cfg.parallel,
-        total as f64 / wall.max(1e-9),
-        m.spec.acceptance_rate(),
-        m.spec.accepted,
-        m.spec.drafted
-    );
-    Ok(())
 }
 
 fn inspect(file: Arc<Gguf>, all_tensors: bool) -> Result<()> {

@@ -96,7 +96,7 @@ where
                 v: GgmlType::F16,
             },
         };
-        let shape = tern::cli::boot::shape_of(&cfg, kind, c.ubatch as u64).unwrap();
+        let shape = tern::plan::boot::shape_of(&cfg, kind, c.ubatch as u64).unwrap();
         let ledger = Ledger::price(&g, &shape).unwrap();
         let be = mk();
         let m = Model::load(&be, g.clone()).unwrap();

@@ -3,9 +3,14 @@
 
 use std::path::{Path, PathBuf};
 
+use std::collections::BTreeMap;
+
 use clap::Parser;
 use tern::cli::config::{run_to, ConfigArgs};
-use tern::config::{ConfigError, LoraScaled, Reasoning, ReasoningFormat, Settings};
+use tern::config::flags::Rewritten;
+use tern::config::{
+    ConfigError, GpuLayers, LoraScaled, Reasoning, ReasoningFormat, Settings, Source, Sources,
+};
 use tern::plan::{BackendKind, FlashAttn, KvType, SpecType};
 
 fn parse(yaml: &str) -> Result<Settings, ConfigError> {
@@ -29,15 +34,25 @@ struct Flags {
     s: Settings,
 }
 
+/// The flags as `main` hands them to clap: llama-server's spellings rewritten first.
 fn flags(args: &[&str]) -> Settings {
-    Flags::try_parse_from(std::iter::once("tern").chain(args.iter().copied()))
+    flags_and_rewrite(args).0
+}
+
+fn flags_and_rewrite(args: &[&str]) -> (Settings, Rewritten) {
+    let rw = tern::config::flags::rewrite(args).unwrap_or_else(|e| panic!("{e}"));
+    let s = Flags::try_parse_from(std::iter::once("tern".to_string()).chain(rw.args.clone()))
         .unwrap_or_else(|e| panic!("{e}"))
-        .s
+        .s;
+    (s, rw)
 }
 
 #[test]
 fn the_shipped_example_is_the_seed_shape() {
-    let s = Settings::load(zealot()).unwrap_or_else(|e| panic!("{e}"));
+    let (s, notes) = Settings::load_with_notes(zealot()).unwrap_or_else(|e| panic!("{e}"));
+    // `jinja: true` is accepted and changes nothing (tern always renders with Jinja).
+    assert_eq!(notes.len(), 1, "{notes:?}");
+    assert!(notes[0].to_string().contains("key `jinja`"), "{}", notes[0]);
     assert_eq!(
         s.model.as_deref(),
         Some(Path::new(
@@ -53,8 +68,7 @@ fn the_shipped_example_is_the_seed_shape() {
     assert_eq!(s.alias.as_deref(), Some("frank-zealot"));
     assert_eq!(s.host.as_deref(), Some("0.0.0.0"));
     assert_eq!(s.port, Some(7771));
-    assert_eq!(s.n_gpu_layers, Some(99));
-    assert_eq!(s.jinja, Some(true));
+    assert_eq!(s.n_gpu_layers, Some(GpuLayers::N(99)));
     assert_eq!(s.metrics, Some(true));
     assert_eq!(s.reasoning, Some(Reasoning::Auto));
     assert_eq!(s.reasoning_format, Some(ReasoningFormat::Deepseek));
@@ -143,7 +157,11 @@ fn range_checks_name_the_key() {
     for (yaml, key) in [
         ("top-p: 1.5\n", "top-p"),
         ("min-p: -0.1\n", "min-p"),
-        ("temp: -1\n", "temp"),
+        ("repeat-penalty: 0\n", "repeat-penalty"),
+        ("threads: 100000\n", "threads"),
+        ("n-predict: -2\n", "n-predict"),
+        ("spec-draft-n-max: 4294967296\n", "spec-draft-n-max"),
+        ("chat-template-kwargs: \"[1]\"\n", "chat-template-kwargs"),
         ("seed: -2\n", "seed"),
         ("parallel: 0\n", "parallel"),
         ("ctx-size: 602113\nparallel: 3\n", "ctx-size"),
@@ -189,15 +207,13 @@ fn flags_have_the_same_names_and_override_the_file() {
         "--lora-scaled",
         "/x/adapter.gguf:0.5",
         "--jinja",
-        "--metrics",
-        "false",
+        "--metrics=false",
         "--n-gpu-layers",
         "-1",
     ]);
     assert_eq!(f.ctx_size, Some(401_408));
-    assert_eq!(f.jinja, Some(true));
     assert_eq!(f.metrics, Some(false));
-    assert_eq!(f.n_gpu_layers, Some(-1));
+    assert_eq!(f.n_gpu_layers, Some(GpuLayers::N(-1)));
     assert_eq!(
         f.lora_scaled,
         Some(vec![LoraScaled {
@@ -233,7 +249,7 @@ fn relative_paths_in_a_file_are_relative_to_it() {
     let path = tmp("rel.yaml");
     std::fs::write(
         &path,
-        "model: m.gguf\nmmproj: /abs/p.gguf\nlora-scaled: [\"a/l.gguf:1\"]\n",
+        "model: m.gguf\nmmproj: /abs/p.gguf\nlora-scaled: [\"a/l.gguf:0\"]\n",
     )
     .unwrap();
     let s = Settings::load(&path).unwrap();
@@ -248,6 +264,7 @@ fn print_shows_the_merged_settings_as_yaml_that_parses_back() {
     let args = ConfigArgs {
         config: Some(zealot()),
         print: true,
+        explain: false,
         settings: flags(&[
             "--parallel",
             "2",
@@ -277,6 +294,7 @@ fn print_shows_the_merged_settings_as_yaml_that_parses_back() {
     let args = ConfigArgs {
         config: Some(zealot()),
         print: true,
+        explain: false,
         settings: flags(&["--parallel", "5"]),
     };
     let e = run_to(&args, &mut Vec::new()).unwrap_err();
@@ -350,4 +368,166 @@ fn the_subcommands_are_well_formed_clap() {
     };
     assert!(c.print);
     assert_eq!(c.settings.backend, Some(BackendKind::Cpu));
+}
+
+#[test]
+fn llama_server_keys_in_a_file_are_read_warned_or_refused() {
+    let origin = Path::new("l.yaml");
+    let (s, notes) = Settings::from_yaml_with_notes(
+        "temperature: 0.5\ngpu-layers: all\nno-slots: true\ncont-batching: true\nlog-jsonl: true\n",
+        origin,
+    )
+    .unwrap();
+    assert_eq!(s.temp, Some(0.5), "llama-server's other spelling of temp");
+    assert_eq!(s.n_gpu_layers, Some(GpuLayers::All));
+    assert_eq!(s.slots, Some(false));
+    assert_eq!(s.log_format, Some(tern::config::LogFormat::Json));
+    assert_eq!(notes.len(), 1);
+    assert!(
+        notes[0]
+            .to_string()
+            .contains("key `cont-batching`: ignored"),
+        "{}",
+        notes[0]
+    );
+    for (yaml, key) in [
+        ("hf-repo: unsloth/x\n", "hf-repo"),
+        ("jinja: false\n", "jinja"),
+        ("no-jinja: true\n", "no-jinja"),
+    ] {
+        let e = Settings::from_yaml_with_notes(yaml, origin)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(key) && e.contains("not supported"),
+            "{yaml:?}: {e}"
+        );
+    }
+    // Two names of one key, and a key neither tern nor llama-server knows (with its line).
+    let e = Settings::from_yaml("temp: 1\ntemperature: 2\n", origin).unwrap_err();
+    assert!(e.to_string().contains("temp"), "{e}");
+    let e = Settings::from_yaml("temperature: 1\nctx-sise: 2\n", origin).unwrap_err();
+    assert!(e.to_string().contains("ctx-sise"), "{e}");
+}
+
+#[test]
+fn config_files_over_a_mebibyte_are_refused() {
+    let big = tmp("big.yaml");
+    let mut text = String::from("ctx-size: 4096\n");
+    while text.len() <= 1 << 20 {
+        text.push_str("# padding padding padding padding padding padding padding padding\n");
+    }
+    std::fs::write(&big, text).unwrap();
+    let e = Settings::load(&big).unwrap_err();
+    assert!(matches!(e, ConfigError::TooLarge { .. }), "{e}");
+    assert!(e.to_string().contains("big.yaml"), "{e}");
+    // A device that never ends is cut at the limit, not read forever.
+    let t0 = std::time::Instant::now();
+    let e = Settings::load("/dev/zero").unwrap_err();
+    assert!(matches!(e, ConfigError::TooLarge { .. }), "{e}");
+    assert!(t0.elapsed().as_secs() < 5);
+    let e = Settings::load(std::env::temp_dir()).unwrap_err();
+    assert!(e.to_string().contains("directory"), "{e}");
+}
+
+#[test]
+fn flag_over_environment_over_file_over_default() {
+    let file = tmp("prec.yaml");
+    std::fs::write(&file, "ctx-size: 1024\nparallel: 2\ntemp: 0.1\ntop-k: 5\n").unwrap();
+    let env: BTreeMap<&str, &str> = BTreeMap::from([
+        ("LLAMA_ARG_CTX_SIZE", "2048"),
+        ("LLAMA_ARG_TEMPERATURE", "0.2"),
+        ("LLAMA_API_KEY", "env-key"),
+        ("LLAMA_ARG_NO_ENDPOINT_SLOTS", "1"),
+        ("LLAMA_ARG_CONT_BATCHING", "1"),
+        ("HF_TOKEN", "hf_x"),
+    ]);
+    let get = |k: &str| env.get(k).map(|v| v.to_string());
+    let (flags, rw) = flags_and_rewrite(&["-c", "4096", "-ngl", "99"]);
+    let src = Sources::gather(Some(&file), &get, flags, rw).unwrap();
+    let r = src.resolve().unwrap();
+    let s = &r.settings;
+    assert_eq!(s.ctx_size, Some(4096), "flag over env over file");
+    assert_eq!(s.temp, Some(0.2), "env over file");
+    assert_eq!(s.top_k, Some(5), "file over default");
+    assert_eq!(s.parallel, Some(2));
+    assert_eq!(s.api_key.as_deref(), Some("env-key"), "LLAMA_API_KEY");
+    assert_eq!(s.slots, Some(false), "LLAMA_ARG_NO_* is the negative");
+    assert_eq!(src.source_of("ctx-size"), Source::Flag);
+    assert_eq!(
+        src.source_of("temp"),
+        Source::Env("LLAMA_ARG_TEMPERATURE".into())
+    );
+    assert_eq!(src.source_of("top-k"), Source::File(file.clone()));
+    assert_eq!(src.source_of("min-p"), Source::Default);
+    let notes: Vec<String> = r.notes.iter().map(|n| n.to_string()).collect();
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with("environment LLAMA_ARG_CONT_BATCHING: ignored")),
+        "{notes:?}"
+    );
+    assert!(
+        notes
+            .iter()
+            .any(|n| n.starts_with("environment HF_TOKEN: ignored")),
+        "{notes:?}"
+    );
+    assert!(
+        notes.iter().any(|n| n.starts_with("-ngl 99: ignored")),
+        "{notes:?}"
+    );
+    // --explain: every key with where it came from; the key redacted.
+    let x = src.explain();
+    assert!(x.contains("ctx-size: 4096  # flag\n"), "{x}");
+    assert!(
+        x.contains("temp: 0.2  # env LLAMA_ARG_TEMPERATURE\n"),
+        "{x}"
+    );
+    assert!(
+        x.contains(&format!("top-k: 5  # file {}\n", file.display())),
+        "{x}"
+    );
+    assert!(x.contains("# min-p: "), "{x}");
+    assert!(
+        x.contains("api-key: \"<redacted>\"  # env LLAMA_API_KEY"),
+        "{x}"
+    );
+    assert!(!x.contains("env-key"), "{x}");
+    // A bad value from the environment names the variable.
+    let bad: BTreeMap<&str, &str> = BTreeMap::from([("LLAMA_ARG_CTX_SIZE", "lots")]);
+    let get = |k: &str| bad.get(k).map(|v| v.to_string());
+    let e = Sources::gather(None, &get, Settings::default(), Rewritten::default()).unwrap_err();
+    assert!(e.to_string().contains("LLAMA_ARG_CTX_SIZE"), "{e}");
+    let refused: BTreeMap<&str, &str> = BTreeMap::from([("LLAMA_ARG_HF_REPO", "a/b")]);
+    let get = |k: &str| refused.get(k).map(|v| v.to_string());
+    let e = Sources::gather(None, &get, Settings::default(), Rewritten::default()).unwrap_err();
+    assert!(
+        e.to_string().contains("LLAMA_ARG_HF_REPO") && e.to_string().contains("downloads"),
+        "{e}"
+    );
+}
+
+#[test]
+fn api_keys_from_a_comma_list_and_a_file() {
+    let keys = tmp("keys.txt");
+    std::fs::write(&keys, "# ops keys\nfile-key-1\n\nfile-key-2\n").unwrap();
+    let s = Settings {
+        api_key: Some("a, b,,c".into()),
+        api_key_file: Some(keys),
+        ..Default::default()
+    };
+    assert_eq!(
+        s.api_keys().unwrap(),
+        ["a", "b", "c", "file-key-1", "file-key-2"]
+    );
+    let s = Settings {
+        api_key_file: Some("/no/such/keys".into()),
+        ..Default::default()
+    };
+    assert!(s
+        .api_keys()
+        .unwrap_err()
+        .to_string()
+        .contains("/no/such/keys"));
 }

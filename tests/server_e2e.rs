@@ -141,7 +141,14 @@ fn openai_client_against_tern_serve() {
     }
     println!("--- tern serve log ---\n{log}");
     assert!(status.success(), "exit status {status:?}");
-    assert!(log.contains("FITS"), "the ledger is printed at boot");
+    assert!(
+        log.contains("fits: needs"),
+        "the boot summary says it fits and by how much"
+    );
+    assert!(
+        !log.contains("boot ledger"),
+        "the full ledger is at debug only: {log}"
+    );
 }
 
 /// SIGTERM with a generation in flight: the stream is cut off and the process exits 0 in 5 s.
@@ -299,5 +306,159 @@ fn config_file_then_flags() {
     let mut child = server.0.take().unwrap();
     sigterm(child.id());
     assert!(child.wait().unwrap().success());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// llama-server's environment and flags, and the access log in JSON: one line per request with
+/// time, method, path, status, latency, tokens and slot.
+#[test]
+fn access_log_in_json_from_llama_server_settings() {
+    let port = free_port();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let dir = std::env::temp_dir().join(format!("tern-serve-log-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let log = dir.join("access.jsonl");
+    let _ = std::fs::remove_file(&log);
+    let child = Command::new(TERN)
+        .args(["serve", "-m"])
+        .arg(fixture("tiny-q8_0.gguf"))
+        .args([
+            "-np",
+            "2",
+            "-c",
+            "2048",
+            "-ngl",
+            "99",
+            "-cb",
+            "--backend",
+            "cpu",
+        ])
+        .args(["--log-format", "json", "--log-file"])
+        .arg(&log)
+        .env("LLAMA_ARG_PORT", port.to_string())
+        .env("LLAMA_API_KEY", "k1,k2")
+        .env("LLAMA_ARG_ENDPOINT_METRICS", "1")
+        .env("RUST_BACKTRACE", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut server = Server(Some(child));
+    assert!(eventually(Duration::from_secs(60), || {
+        std::net::TcpStream::connect(addr).is_ok() && get(addr, "/health").status == 200
+    }));
+    let key = [("Authorization", "Bearer k2")];
+    let chat = serde_json::json!({
+        "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "ignore_eos": true
+    })
+    .to_string();
+    let r = server_common::request(
+        addr,
+        "POST",
+        "/v1/chat/completions",
+        &key,
+        Some(chat.as_bytes()),
+    );
+    assert_eq!(r.status, 200);
+    let stream =
+        serde_json::json!({"prompt": "Once", "max_tokens": 3, "stream": true, "ignore_eos": true})
+            .to_string();
+    let r = server_common::request(
+        addr,
+        "POST",
+        "/v1/completions",
+        &key,
+        Some(stream.as_bytes()),
+    );
+    assert_eq!(r.status, 200);
+    let r = server_common::request(
+        addr,
+        "POST",
+        "/tokenize",
+        &key,
+        Some(br#"{"content":"Hi"}"#),
+    );
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        server_common::request(addr, "GET", "/slots", &key, None).status,
+        200
+    );
+    assert_eq!(get(addr, "/slots").status, 401, "LLAMA_API_KEY is read");
+    assert_eq!(
+        server_common::request(addr, "GET", "/metrics", &key, None).status,
+        200
+    );
+
+    let mut child = server.0.take().unwrap();
+    sigterm(child.id());
+    assert!(child.wait().unwrap().success());
+    let mut stderr = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        let _ = e.read_to_string(&mut stderr);
+    }
+    let text = std::fs::read_to_string(&log).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}")))
+        .collect();
+    let access: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|l| l["target"] == "tern::access")
+        .collect();
+    println!("--- access log (JSON) ---");
+    for l in &access {
+        println!("{l}");
+    }
+    assert_eq!(
+        access.len(),
+        5,
+        "one line per request; the polling routes (/health, /metrics) at debug: {text}"
+    );
+    for l in &access {
+        for f in [
+            "timestamp",
+            "level",
+            "method",
+            "path",
+            "status",
+            "latency_ms",
+            "remote",
+        ] {
+            assert!(!l[f].is_null(), "{f} in {l}");
+        }
+    }
+    let chat_line = access
+        .iter()
+        .find(|l| l["path"] == "/v1/chat/completions")
+        .unwrap();
+    assert_eq!(chat_line["status"], 200);
+    assert_eq!(chat_line["generated_tokens"], 4);
+    assert!(chat_line["prompt_tokens"].as_u64().unwrap() > 0);
+    assert!(chat_line["slot"].as_i64().unwrap() >= 0);
+    let stream_line = access
+        .iter()
+        .find(|l| l["path"] == "/v1/completions")
+        .unwrap();
+    assert_eq!(
+        stream_line["generated_tokens"], 3,
+        "a stream is logged when it ends"
+    );
+    assert!(access.iter().any(|l| l["status"] == 401));
+    // The warnings for -ngl and -cb, once each, in the same format.
+    let warns: Vec<&serde_json::Value> = lines.iter().filter(|l| l["level"] == "WARN").collect();
+    assert!(
+        warns.iter().any(|l| l["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("-ngl 99: ignored")),
+        "{text}"
+    );
+    assert!(
+        warns
+            .iter()
+            .any(|l| l["message"].as_str().unwrap().starts_with("-cb: ignored")),
+        "{text}"
+    );
+    assert!(!stderr.contains("stack backtrace"), "{stderr}");
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -6,13 +6,13 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 
+use crate::config::flags::Rewritten;
 use crate::config::Settings;
-use crate::gguf::Gguf;
 use crate::plan::{self, mib, Budget};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct FitArgs {
-    /// YAML config file; flags override its keys.
+    /// YAML config file; the environment (LLAMA_ARG_*) and flags override its keys.
     #[arg(long, value_name = "FILE.yaml")]
     pub config: Option<PathBuf>,
     /// Print a JSON object instead of the table.
@@ -22,21 +22,37 @@ pub struct FitArgs {
     pub settings: Settings,
 }
 
-pub fn run(args: &FitArgs) -> Result<()> {
-    run_to(args, &mut std::io::stdout().lock())
+pub fn run(args: &FitArgs, given: Rewritten) -> Result<()> {
+    let r = super::resolve(args.config.as_deref(), &args.settings, given)?;
+    super::start_logging(&r)?;
+    report(&r.settings, args.json, &mut std::io::stdout().lock())
 }
 
 /// As [`run`], writing the table (or JSON) to `out`. A shape that does not fit is an error
 /// (non-zero exit) after the report is written.
 pub fn run_to(args: &FitArgs, out: &mut dyn Write) -> Result<()> {
-    let s = super::merged_settings(args.config.as_ref(), &args.settings)?;
+    let r = super::resolve(args.config.as_deref(), &args.settings, Rewritten::default())?;
+    report(&r.settings, args.json, out)
+}
+
+fn report(s: &Settings, json: bool, out: &mut dyn Write) -> Result<()> {
     let model = s.model_path()?;
-    let shape = s.shape();
+    let opened = plan::boot::open_model(Some(model))?;
+    let mut shape = s.shape();
+    let trained = crate::model::Config::from_gguf(&opened.file)
+        .map(|c| c.context_length as u64)
+        .with_context(|| format!("{} is not a loadable qwen35 model", opened.path))?;
+    shape.ctx_size = plan::boot::settle_pool(
+        s.ctx_size.or(s
+            .kv_unified_per_slot
+            .map(|n| n.saturating_mul(shape.parallel))),
+        shape.parallel,
+        trained,
+    );
     let budget = Budget::resolve(shape.backend, s.device_mib)?;
-    let g = std::sync::Arc::new(Gguf::open(model)?);
-    let fit = plan::fit(&g, &shape, &budget)
+    let fit = plan::fit(&opened.file, &shape, &budget)
         .with_context(|| format!("cannot price {}", model.display()))?;
-    if args.json {
+    if json {
         writeln!(out, "{}", serde_json::to_string_pretty(&fit.to_json())?)?;
     } else {
         out.write_all(fit.table().as_bytes())?;

@@ -16,13 +16,14 @@ use super::generate::{
     cancelled_error, check_prompt, finish_reason, log_done, params_of, request_of, sse_bytes,
     sse_response, submit, timings_json, tokenize, unix_now, usage_json, Submission,
 };
-use super::request::{field, gen_params, opt_bool, opt_str, parse_object, type_name, Obj};
+use super::request::{field, gen_params, opt_bool, opt_i64, opt_str, parse_object, type_name, Obj};
 use super::state::AppState;
 use super::Body as RawBody;
 use crate::chat::{
     map_reasoning_effort, ChatParser, Delta, ParserConfig, TemplateInputs, ToolSpecs,
 };
 use crate::config::{Reasoning, ReasoningFormat};
+use crate::runtime::budget::BudgetConfig;
 use crate::runtime::engine::{Event, FinishReason};
 
 /// A chat request rendered to its prompt.
@@ -302,7 +303,9 @@ pub fn render_chat(state: &AppState, body: &Obj) -> Result<RenderedChat, ApiErro
             );
         }
     }
-    let mut kwargs = Map::new();
+    // The server's own variables (--chat-template-kwargs, --reasoning-effort), then
+    // --reasoning, then the request's.
+    let mut kwargs = state.cfg.template_kwargs.clone();
     match state.cfg.reasoning {
         Reasoning::On => {
             kwargs.insert("enable_thinking".into(), Value::Bool(true));
@@ -396,11 +399,13 @@ pub fn render_chat(state: &AppState, body: &Obj) -> Result<RenderedChat, ApiErro
             )))
         }
     };
+    // --skip-chat-parsing: everything the model says is content.
+    let parse = !state.cfg.skip_chat_parsing;
     let parser = ParserConfig {
-        reasoning: format == ReasoningFormat::Deepseek,
-        starts_in_reasoning: ParserConfig::prompt_opens_thinking(&prompt),
+        reasoning: parse && format.extracts(),
+        starts_in_reasoning: parse && ParserConfig::prompt_opens_thinking(&prompt),
         tools: match (&tools, tool_choice.as_str()) {
-            (Some(t), c) if c != "none" => Some(ToolSpecs::from_openai(t)),
+            (Some(t), c) if parse && c != "none" => Some(ToolSpecs::from_openai(t)),
             _ => None,
         },
     };
@@ -424,13 +429,67 @@ fn delta_json(d: &Delta) -> Value {
 
 /// `POST /v1/chat/completions`.
 pub async fn chat_completions(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
-    match chat_impl(state, body.0).await {
+    match chat_impl(state, body.0, body.1).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
 }
 
-async fn chat_impl(state: Arc<AppState>, bytes: Bytes) -> Result<Response, ApiError> {
+/// The reasoning budget of a chat request: `reasoning_budget_tokens` (or
+/// `thinking_budget_tokens`) and `reasoning_budget_message`, else `--reasoning-budget` and
+/// `--reasoning-budget-message`. llama-server feeds the generation prompt (the text after the
+/// last `<|im_start|>`) through the budget first, so a prompt that opens thinking starts the
+/// count.
+fn reasoning_budget(
+    state: &AppState,
+    body: &Obj,
+    prompt: &str,
+) -> Result<Option<BudgetConfig>, ApiError> {
+    let b = &state.cfg.budget;
+    let asked = match opt_i64(body, "reasoning_budget_tokens")? {
+        Some(n) => Some(n),
+        None => opt_i64(body, "thinking_budget_tokens")?,
+    };
+    let tokens = match asked {
+        Some(n) if n < -1 || n > i32::MAX as i64 => {
+            return Err(ApiError::bad_request(format!(
+                "'reasoning_budget_tokens' = {n} must be -1 (unrestricted) or in 0..={}",
+                i32::MAX
+            )))
+        }
+        Some(-1) | None => b.tokens,
+        Some(n) => n,
+    };
+    if tokens < 0 || b.start.is_empty() || b.end.is_empty() {
+        return Ok(None);
+    }
+    let message = opt_str(body, "reasoning_budget_message")?
+        .map(str::to_string)
+        .unwrap_or_else(|| b.message.clone());
+    let encode = |t: &str| {
+        state
+            .tok
+            .encode(t, false, true)
+            .map_err(|e| ApiError::server(format!("tokenizer: {e}")))
+    };
+    let mut forced = encode(&message)?;
+    forced.extend_from_slice(&b.end);
+    let generation_prompt = prompt.rfind("<|im_start|>").map_or("", |i| &prompt[i..]);
+    Ok(Some(BudgetConfig {
+        budget: tokens as usize,
+        start: b.start.clone(),
+        end: vec![b.end.clone()],
+        forced,
+        prefill: encode(generation_prompt)?,
+        incomplete: state.incomplete_tokens(),
+    }))
+}
+
+async fn chat_impl(
+    state: Arc<AppState>,
+    bytes: Bytes,
+    access: super::Access,
+) -> Result<Response, ApiError> {
     let body = parse_object(&bytes)?;
     if let Some(m) = field(&body, "model") {
         if !m.is_string() {
@@ -440,10 +499,8 @@ async fn chat_impl(state: Arc<AppState>, bytes: Bytes) -> Result<Response, ApiEr
     let rendered = render_chat(&state, &body)?;
     let gen = gen_params(
         &body,
-        &state.cfg.sampler,
-        state.cfg.fixed_seed,
+        &state.gen_defaults(),
         &["n_predict", "max_completion_tokens", "max_tokens"],
-        false,
     )?;
     let ids = tokenize(&state, &rendered.prompt)?;
     check_prompt(&state, &ids)?;
@@ -451,8 +508,11 @@ async fn chat_impl(state: Arc<AppState>, bytes: Bytes) -> Result<Response, ApiEr
         4,
         format!("chat prompt ({} tokens):\n{}", ids.len(), rendered.prompt),
     );
-    let req = request_of(&state, ids, &gen);
-    let sub = submit(&state, req, params_of(&state, &gen)).await?;
+    let budget = reasoning_budget(&state, &body, &rendered.prompt)?;
+    let mut req = request_of(&state, ids, &gen);
+    req.reasoning_budget = budget;
+    let ping = super::generate::ping_of(&state, &gen);
+    let sub = submit(&state, req, params_of(&state, &gen), access).await?;
     let id = format!("chatcmpl-{}", crate::chat::random_id(32));
     let created = unix_now();
     let parser = ChatParser::new(rendered.parser);
@@ -464,6 +524,7 @@ async fn chat_impl(state: Arc<AppState>, bytes: Bytes) -> Result<Response, ApiEr
             id,
             created,
             gen.include_usage,
+            ping,
         ))
     } else {
         collect_chat(&state, sub, parser, id, created).await
@@ -531,7 +592,7 @@ async fn collect_chat(
             .collect();
         m.insert("tool_calls".into(), Value::Array(calls));
     }
-    log_done(state, "chat", &fin, sub.t0);
+    log_done(state, "chat", &fin, &sub);
     let body = json!({
         "choices": [{
             "finish_reason": finish_reason(&fin, !msg.tool_calls.is_empty()),
@@ -556,6 +617,7 @@ fn stream_chat(
     id: String,
     created: u64,
     include_usage: bool,
+    ping: Option<std::time::Duration>,
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
@@ -623,7 +685,7 @@ fn stream_chat(
                         o.insert("usage".into(), usage_json(&fin));
                         o.insert("timings".into(), timings_json(&fin));
                     }
-                    log_done(&state, "chat (stream)", &fin, sub.t0);
+                    log_done(&state, "chat (stream)", &fin, &sub);
                     if send(last).await {
                         let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
                     }
@@ -640,5 +702,5 @@ fn stream_chat(
             }
         }
     });
-    sse_response(rx)
+    sse_response(rx, ping)
 }

@@ -28,7 +28,7 @@ enum Flavor {
 
 /// `POST /v1/completions`.
 pub async fn completions(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
-    match completion_impl(state, body.0, Flavor::OpenAi).await {
+    match completion_impl(state, body.0, body.1, Flavor::OpenAi).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -36,7 +36,7 @@ pub async fn completions(State(state): State<Arc<AppState>>, body: RawBody) -> R
 
 /// `POST /completion` (llama-server's native shape).
 pub async fn completion(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
-    match completion_impl(state, body.0, Flavor::Llama).await {
+    match completion_impl(state, body.0, body.1, Flavor::Llama).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -45,6 +45,7 @@ pub async fn completion(State(state): State<Arc<AppState>>, body: RawBody) -> Re
 async fn completion_impl(
     state: Arc<AppState>,
     bytes: Bytes,
+    access: super::Access,
     flavor: Flavor,
 ) -> Result<Response, ApiError> {
     let body = parse_object(&bytes)?;
@@ -57,22 +58,11 @@ async fn completion_impl(
         "prompt"
     };
     let prompt = prompt_field(&body, key)?;
-    let gen = match flavor {
-        Flavor::OpenAi => gen_params(
-            &body,
-            &state.cfg.sampler,
-            state.cfg.fixed_seed,
-            &["n_predict", "max_tokens"],
-            false,
-        )?,
-        Flavor::Llama => gen_params(
-            &body,
-            &state.cfg.sampler,
-            state.cfg.fixed_seed,
-            &["n_predict", "max_tokens"],
-            true,
-        )?,
-    };
+    let gen = gen_params(
+        &body,
+        &state.gen_defaults(),
+        &["n_predict", "max_tokens", "max_completion_tokens"],
+    )?;
     let return_tokens = opt_bool(&body, "return_tokens")?.unwrap_or(false);
     let (ids, prompt_text) = match prompt {
         Prompt::Text(t) => (tokenize(&state, &t)?, t),
@@ -85,9 +75,10 @@ async fn completion_impl(
     let n_prompt = ids.len();
     let params = params_of(&state, &gen);
     let req = request_of(&state, ids, &gen);
-    let sub = submit(&state, req, params.clone()).await?;
+    let sub = submit(&state, req, params.clone(), access).await?;
     let id = format!("cmpl-{}", crate::chat::random_id(32));
     let created = unix_now();
+    let ping = super::generate::ping_of(&state, &gen);
     let ctx = CompletionCtx {
         state,
         id,
@@ -100,7 +91,7 @@ async fn completion_impl(
         n_prompt,
     };
     if gen.stream {
-        Ok(stream_completion(ctx, sub))
+        Ok(stream_completion(ctx, sub, ping))
     } else {
         collect_completion(ctx, sub).await
     }
@@ -189,12 +180,16 @@ async fn collect_completion(ctx: CompletionCtx, mut sub: Submission) -> Result<R
     if fin.reason == FinishReason::Cancelled {
         return Err(cancelled_error());
     }
-    log_done(&ctx.state, "completion", &fin, sub.t0);
+    log_done(&ctx.state, "completion", &fin, &sub);
     let body = ctx.final_json(sub.slot, &text, &tokens, &fin);
     Ok((StatusCode::OK, axum::Json(body)).into_response())
 }
 
-fn stream_completion(ctx: CompletionCtx, mut sub: Submission) -> Response {
+fn stream_completion(
+    ctx: CompletionCtx,
+    mut sub: Submission,
+    ping: Option<std::time::Duration>,
+) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
         let send = |v: Value| {
@@ -219,7 +214,7 @@ fn stream_completion(ctx: CompletionCtx, mut sub: Submission) -> Response {
                         let _ = send(cancelled_error().to_json()).await;
                         return;
                     }
-                    log_done(&ctx.state, "completion (stream)", &fin, sub.t0);
+                    log_done(&ctx.state, "completion (stream)", &fin, &sub);
                     let mut last = ctx.final_json(sub.slot, "", &[], &fin);
                     if ctx.flavor == Flavor::OpenAi && ctx.include_usage {
                         if let Some(o) = last.as_object_mut() {
@@ -281,5 +276,5 @@ fn stream_completion(ctx: CompletionCtx, mut sub: Submission) -> Response {
             }
         }
     });
-    sse_response(rx)
+    sse_response(rx, ping)
 }

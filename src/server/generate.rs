@@ -7,8 +7,11 @@
 //! dropped, or a handler future that is dropped, closes the channel the bridge writes to.
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
@@ -17,7 +20,6 @@ use axum::response::Response;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
-use tokio_stream::StreamExt;
 
 use super::error::ApiError;
 use super::request::GenParams;
@@ -33,6 +35,8 @@ pub struct Submission {
     pub slot: usize,
     pub cached: usize,
     pub t0: Instant,
+    /// The request's access-log record.
+    pub access: super::Access,
 }
 
 /// The engine, or 503 while it loads.
@@ -67,6 +71,7 @@ pub async fn submit(
     state: &Arc<AppState>,
     req: Request,
     params: Value,
+    access: super::Access,
 ) -> Result<Submission, ApiError> {
     let engine = engine(state)?;
     let t0 = Instant::now();
@@ -84,12 +89,16 @@ pub async fn submit(
         Some(Event::Started {
             slot,
             cached_tokens,
-        }) => Ok(Submission {
-            rx,
-            slot,
-            cached: cached_tokens,
-            t0,
-        }),
+        }) => {
+            access.slot(slot);
+            Ok(Submission {
+                rx,
+                slot,
+                cached: cached_tokens,
+                t0,
+                access,
+            })
+        }
         Some(Event::Error(e)) => Err(e.into()),
         Some(_) => Err(ApiError::server(
             "the engine answered before assigning a slot",
@@ -229,9 +238,47 @@ pub(super) fn sse_bytes(v: &Value) -> Bytes {
     Bytes::from(format!("data: {v}\n\n"))
 }
 
-/// An SSE response fed by `rx`.
-pub(super) fn sse_response(rx: mpsc::Receiver<Bytes>) -> Response {
-    let stream = ReceiverStream::new(rx).map(Ok::<Bytes, Infallible>);
+/// An SSE stream that sends llama-server's `:` comment after `every` of silence, so that
+/// clients with an idle timeout keep the connection through a long prefill.
+struct KeepAlive {
+    rx: ReceiverStream<Bytes>,
+    every: Option<Duration>,
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl tokio_stream::Stream for KeepAlive {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if let Poll::Ready(item) = Pin::new(&mut self.rx).poll_next(cx) {
+            if let (Some(d), Some(sl)) = (self.every, self.sleep.as_mut()) {
+                sl.as_mut().reset(tokio::time::Instant::now() + d);
+            }
+            return Poll::Ready(item.map(Ok));
+        }
+        let every = self.every;
+        match (every, self.sleep.as_mut()) {
+            (Some(d), Some(sl)) => {
+                if sl.as_mut().poll(cx).is_ready() {
+                    sl.as_mut().reset(tokio::time::Instant::now() + d);
+                    // Registers the new deadline's waker.
+                    let _ = sl.as_mut().poll(cx);
+                    return Poll::Ready(Some(Ok(Bytes::from_static(b":\n\n"))));
+                }
+                Poll::Pending
+            }
+            _ => Poll::Pending,
+        }
+    }
+}
+
+/// An SSE response fed by `rx`, with `:` pings after `ping` of silence.
+pub(super) fn sse_response(rx: mpsc::Receiver<Bytes>, ping: Option<Duration>) -> Response {
+    let stream = KeepAlive {
+        rx: ReceiverStream::new(rx),
+        every: ping,
+        sleep: ping.map(|d| Box::pin(tokio::time::sleep(d))),
+    };
     let mut r = Response::new(Body::from_stream(stream));
     let h = r.headers_mut();
     h.insert(
@@ -245,9 +292,12 @@ pub(super) fn sse_response(rx: mpsc::Receiver<Bytes>) -> Response {
     r
 }
 
-pub(super) fn log_done(state: &AppState, route: &str, f: &Finish, t0: Instant) {
+pub(super) fn log_done(state: &AppState, route: &str, f: &Finish, sub: &Submission) {
+    let t0 = sub.t0;
+    sub.access
+        .tokens(f.prompt_tokens, f.cached_tokens, f.completion_tokens);
     state.log(
-        3,
+        4,
         format!(
             "{route}: prompt {} tokens ({} cached), generated {} in {:.0} ms, finish {:?}",
             f.prompt_tokens,
@@ -262,11 +312,25 @@ pub(super) fn log_done(state: &AppState, route: &str, f: &Finish, t0: Instant) {
 pub(super) fn request_of(state: &AppState, ids: Vec<u32>, gen: &GenParams) -> Request {
     Request {
         prompt: ids,
-        max_tokens: gen.max_tokens.unwrap_or(state.cfg.n_ctx_slot),
+        max_tokens: gen
+            .max_tokens
+            .or(state.cfg.n_predict)
+            .unwrap_or(state.cfg.n_ctx_slot),
         sampler: gen.sampler.clone(),
         stop: gen.stop.clone(),
         ignore_eos: gen.ignore_eos,
-        ..Default::default()
+        reasoning_budget: None,
+        cache_prompt: gen.cache_prompt,
+        special: state.cfg.special,
+    }
+}
+
+/// The SSE ping interval of a request (`sse_ping_interval`, else `--sse-ping-interval`).
+pub(super) fn ping_of(state: &AppState, gen: &GenParams) -> Option<Duration> {
+    match gen.sse_ping_interval {
+        Some(n) if n > 0 => Some(Duration::from_secs(n as u64)),
+        Some(_) => None,
+        None => state.cfg.sse_ping,
     }
 }
 
@@ -293,4 +357,54 @@ pub(super) fn tokenize(state: &AppState, text: &str) -> Result<Vec<u32>, ApiErro
         .tok
         .encode(text, true, true)
         .map_err(|e| ApiError::server(format!("tokenizer: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_stream::StreamExt;
+
+    #[tokio::test]
+    async fn silence_gets_a_ping_and_data_resets_it() {
+        let every = Duration::from_millis(200);
+        let (tx, rx) = mpsc::channel::<Bytes>(4);
+        let mut s = KeepAlive {
+            rx: ReceiverStream::new(rx),
+            every: Some(every),
+            sleep: Some(Box::pin(tokio::time::sleep(every))),
+        };
+        // Silence: llama-server's `:` comment, no sooner than the interval.
+        let t0 = Instant::now();
+        assert_eq!(
+            s.next().await.unwrap().unwrap(),
+            Bytes::from_static(b":\n\n")
+        );
+        assert!(t0.elapsed() >= every);
+        tx.send(Bytes::from_static(b"data: 1\n\n")).await.unwrap();
+        assert_eq!(
+            s.next().await.unwrap().unwrap(),
+            Bytes::from_static(b"data: 1\n\n")
+        );
+        let t1 = Instant::now();
+        assert_eq!(
+            s.next().await.unwrap().unwrap(),
+            Bytes::from_static(b":\n\n")
+        );
+        assert!(
+            t1.elapsed() >= every - Duration::from_millis(5),
+            "data reset the timer"
+        );
+        drop(tx);
+        assert!(s.next().await.is_none(), "the stream ends with its sender");
+        // Without an interval, no pings.
+        let (tx, rx) = mpsc::channel::<Bytes>(1);
+        let mut s = KeepAlive {
+            rx: ReceiverStream::new(rx),
+            every: None,
+            sleep: None,
+        };
+        let quiet = tokio::time::timeout(every * 2, s.next()).await;
+        assert!(quiet.is_err(), "no ping when disabled");
+        drop(tx);
+    }
 }

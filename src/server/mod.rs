@@ -1,23 +1,26 @@
 //! `tern serve`: a drop-in for llama-server's HTTP contract (`server-contract.md`).
 //!
-//! Boot order: merge the settings (config file, then flags) → open the model, projector and
-//! adapters (refusing, naming the file, when one is missing) → compile the chat template →
-//! pick the backend → price the shape with the planner and print the ledger (refusing a shape
-//! that does not fit) → bind the port and answer `/health` with 503 while the weights load →
-//! ready. SIGTERM (or Ctrl-C) stops accepting, lets requests in flight finish for a moment,
+//! It takes the settings already resolved (`config::Sources`: flags over environment over
+//! config file). Boot order: open the model (a directory or another architecture is refused
+//! first), projector and adapters (refusing, naming the file, when one is missing) → compile
+//! the chat template → pick the backend → price the shape with the planner (the summary at
+//! info, the ledger at debug; a shape that does not fit is refused) → bind the port and answer
+//! `/health` with 503 while the weights load → ready. SIGTERM (or Ctrl-C) stops accepting, lets requests in flight finish for a moment,
 //! cancels the rest and exits 0 within a few seconds.
 
+pub mod access;
 pub mod chat;
 pub mod completion;
 pub mod error;
 pub mod generate;
+pub mod listen;
 pub mod metrics;
 pub mod request;
 pub mod routes;
 pub mod state;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +28,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
+use serde_json::{Map, Value};
 
 use crate::backend::pick::Picked;
 use crate::backend::Backend;
@@ -32,24 +36,14 @@ use crate::chat::ChatTemplate;
 use crate::config::{Reasoning, ReasoningFormat, Settings};
 use crate::gguf::Gguf;
 use crate::model::Model;
-use crate::plan::{self, BackendKind};
-use crate::runtime::engine::{Engine, EngineConfig};
-use crate::runtime::sampler::SamplerConfig;
-use crate::runtime::speculative::SpecConfig;
+use crate::plan::boot::{self as boot, OpenedModel};
+use crate::plan::{BackendKind, Ledger, Shape};
+use crate::runtime::engine::{Engine, EngineConfig, Threads};
 use crate::tokenizer::Tokenizer;
 
+pub use access::Access;
 pub use error::ApiError;
-pub use state::{AppState, ModelMeta, ServerConfig};
-
-/// `tern serve [--config FILE.yaml] [flags]`.
-#[derive(clap::Args, Debug, Clone)]
-pub struct ServeArgs {
-    /// YAML config file; flags override its keys.
-    #[arg(long, value_name = "FILE.yaml")]
-    pub config: Option<PathBuf>,
-    #[command(flatten)]
-    pub settings: Settings,
-}
+pub use state::{AppState, BudgetDefaults, Cors, ModelMeta, ServerConfig};
 
 /// Knobs that are not deployment settings (tests shrink them).
 #[derive(Clone, Debug)]
@@ -72,32 +66,100 @@ impl Default for Options {
     }
 }
 
-/// A request body; a body that cannot be read (too large, cut off) is a 400 in OpenAI's shape.
-pub struct Body(pub Bytes);
+/// A request body and the request's access-log record. A body that cannot be read (too
+/// large, cut off, or not in within `--timeout`) is a 400 in OpenAI's shape.
+pub struct Body(pub Bytes, pub Access);
 
-impl<S: Send + Sync> FromRequest<S> for Body {
+impl FromRequest<Arc<AppState>> for Body {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        match Bytes::from_request(req, state).await {
-            Ok(b) => Ok(Body(b)),
-            Err(e) if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE => Err(
+    async fn from_request(req: Request, state: &Arc<AppState>) -> Result<Self, ApiError> {
+        let access = req
+            .extensions()
+            .get::<Access>()
+            .cloned()
+            .unwrap_or_default();
+        let timeout = state.cfg.timeout;
+        let read = Bytes::from_request(req, state);
+        match tokio::time::timeout(timeout, read).await {
+            Ok(Ok(b)) => Ok(Body(b, access)),
+            Ok(Err(e)) if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE => Err(
                 ApiError::bad_request("the request body is larger than this server accepts"),
             ),
-            Err(e) => Err(ApiError::bad_request(format!(
+            Ok(Err(e)) => Err(ApiError::bad_request(format!(
                 "cannot read the request body: {}",
                 e.body_text()
+            ))),
+            Err(_) => Err(ApiError::bad_request(format!(
+                "the request body did not arrive within {} s (--timeout)",
+                timeout.as_secs()
             ))),
         }
     }
 }
 
-/// The default chat template when the model has none (ChatML, as llama.cpp falls back to).
-const CHATML: &str = "{%- for message in messages -%}{{- '<|im_start|>' + message.role + '\n' + (message.content if message.content is string else '') + '<|im_end|>\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}";
+/// The default chat template when the model has none, and `--chat-template chatml`
+/// (llama.cpp's CHATML_TEMPLATE_SRC).
+const CHATML: &str = "{%- for message in messages -%}\n  {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}\n{%- endfor -%}\n{%- if add_generation_prompt -%}\n  {{- '<|im_start|>assistant\n' -}}\n{%- endif -%}";
 
-fn pick_backend(kind: BackendKind) -> Result<Picked> {
-    Ok(crate::backend::pick::pick(kind.name())?)
-}
+/// llama.cpp's built-in template names (src/llama-chat.cpp). With Jinja on (its default and
+/// tern's only mode) llama.cpp treats any of them but `chatml` as literal template text, so
+/// they are refused rather than rendered as that word.
+const BUILTIN_TEMPLATES: &[&str] = &[
+    "llama2",
+    "llama2-sys",
+    "llama2-sys-bos",
+    "llama2-sys-strip",
+    "mistral-v1",
+    "mistral-v3",
+    "mistral-v3-tekken",
+    "mistral-v7",
+    "mistral-v7-tekken",
+    "phi3",
+    "phi4",
+    "falcon3",
+    "zephyr",
+    "monarch",
+    "gemma",
+    "orion",
+    "openchat",
+    "vicuna",
+    "vicuna-orca",
+    "deepseek",
+    "deepseek2",
+    "deepseek3",
+    "deepseek-ocr",
+    "command-r",
+    "llama3",
+    "chatglm3",
+    "chatglm4",
+    "glmedge",
+    "minicpm",
+    "exaone3",
+    "exaone4",
+    "exaone-moe",
+    "rwkv-world",
+    "granite",
+    "granite-4.0",
+    "granite-4.1",
+    "gigachat",
+    "megrez",
+    "yandex",
+    "bailing",
+    "bailing-think",
+    "bailing2",
+    "llama4",
+    "smolvlm",
+    "hunyuan-moe",
+    "gpt-oss",
+    "hunyuan-dense",
+    "hunyuan-vl",
+    "kimi-k2",
+    "seed_oss",
+    "grok-2",
+    "pangu-embedded",
+    "solar-open",
+];
 
 fn picked_kind(p: &Picked) -> BackendKind {
     match p {
@@ -113,12 +175,14 @@ fn start_engine<B: Backend + 'static>(
     file: Arc<Gguf>,
     tok: Arc<Tokenizer>,
     cfg: EngineConfig,
+    threads: Threads,
 ) -> Result<Engine>
 where
     B::W: 'static,
 {
+    boot::read_with_progress(&file);
     let m = Model::load(&be, file)?;
-    Ok(Engine::start(m, be, tok, cfg)?)
+    Ok(Engine::start_with(m, be, tok, cfg, threads)?)
 }
 
 type Loader = Box<dyn FnOnce() -> Result<Engine> + Send>;
@@ -129,6 +193,7 @@ pub struct Prepared {
     loader: Loader,
     host: String,
     port: u16,
+    threads_http: Option<usize>,
 }
 
 impl Prepared {
@@ -137,7 +202,7 @@ impl Prepared {
     }
 }
 
-fn readable(what: &str, p: &std::path::Path) -> Result<()> {
+fn readable(what: &str, p: &Path) -> Result<()> {
     let f = std::fs::File::open(p)
         .with_context(|| format!("cannot read the {what} {}", p.display()))?;
     let md = f
@@ -149,111 +214,145 @@ fn readable(what: &str, p: &std::path::Path) -> Result<()> {
     Ok(())
 }
 
-/// Checks and prices everything short of loading the weights. Prints the ledger; refuses a
-/// shape that does not fit, a missing file, a bad template.
-pub fn prepare(mut settings: Settings) -> Result<Prepared> {
-    settings.validate()?;
-    let (file, model_path, file_name) = match &settings.model {
-        Some(p) => {
-            let g =
-                Gguf::open(p).with_context(|| format!("cannot open the model {}", p.display()))?;
-            let name = p
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_else(|| p.display().to_string());
-            (g, p.display().to_string(), name)
-        }
-        None => {
-            let g = crate::bundled::default_model().context("the bundled model")?;
-            let path = g.path().display().to_string();
-            (g, path, crate::bundled::DEFAULT_MODEL_NAME.to_string())
-        }
-    };
-    let file = Arc::new(file);
-    if let Some(p) = &settings.mmproj {
+/// The projector and the adapters must exist even though tern cannot run them yet: a path at
+/// a missing file is a boot refusal, never silent blindness. The projector's header is read: a
+/// file that is not a GGUF vision projector (`general.architecture` clip) is refused too.
+fn check_side_files(s: &Settings) -> Result<()> {
+    if let Some(p) = &s.mmproj {
         readable("projector (--mmproj)", p)?;
-        eprintln!(
-            "W serve: --mmproj {}: tern cannot run vision projectors yet; requests with image parts will get a 400",
-            p.display()
-        );
-    }
-    for l in settings.lora_scaled.iter().flatten() {
-        readable("LoRA adapter (--lora-scaled)", &l.path)?;
-        if l.scale != 0.0 {
-            bail!(
-                "--lora-scaled {}: tern cannot apply LoRA adapters yet; refusing to serve the model without it (scale 0 keeps the flag inert)",
-                l
-            );
+        let g =
+            Gguf::open(p).with_context(|| format!("the projector (--mmproj) {}", p.display()))?;
+        match g.architecture() {
+            Some("clip") => {}
+            other => bail!(
+                "the projector (--mmproj) {} is not a vision projector: its general.architecture is {}, not clip",
+                p.display(),
+                other.map_or("missing".to_string(), |a| format!("`{a}`"))
+            ),
         }
     }
-    let mcfg = crate::model::Config::from_gguf(&file)
-        .with_context(|| format!("{model_path} is not a loadable qwen35 model"))?;
-    let tok = Arc::new(
-        Tokenizer::from_gguf(&file).with_context(|| format!("the tokenizer of {model_path}"))?,
-    );
-    let template_src = match &settings.chat_template_file {
-        Some(p) => std::fs::read_to_string(p)
+    for l in s.lora_scaled.iter().flatten() {
+        readable("LoRA adapter (--lora-scaled)", &l.path)?;
+    }
+    Ok(())
+}
+
+/// The chat template: `--chat-template-file`, `--chat-template` (`chatml` or Jinja source),
+/// else the model's own, else ChatML.
+fn chat_template(s: &Settings, file: &Gguf) -> Result<ChatTemplate> {
+    let src = match (&s.chat_template_file, &s.chat_template) {
+        (Some(p), _) => std::fs::read_to_string(p)
             .with_context(|| format!("cannot read the chat template {}", p.display()))?,
-        None => match file.get_str("tokenizer.chat_template") {
+        (None, Some(t)) if t.trim() == "chatml" => CHATML.to_string(),
+        (None, Some(t)) if BUILTIN_TEMPLATES.contains(&t.trim()) => bail!(
+            "--chat-template {t}: not supported: it names one of llama.cpp's built-in templates for another model family; tern takes `chatml` or Jinja template source (--chat-template-file for a file)"
+        ),
+        (None, Some(t)) => t.clone(),
+        (None, None) => match file.get_str("tokenizer.chat_template") {
             Some(t) => t.to_string(),
             None => {
-                eprintln!("W serve: the model has no tokenizer.chat_template; using ChatML");
+                tracing::warn!(
+                    target: "tern::boot",
+                    "the model has no tokenizer.chat_template; using ChatML"
+                );
                 CHATML.to_string()
             }
         },
     };
-    let template = ChatTemplate::new(&template_src).map_err(anyhow::Error::msg)?;
+    ChatTemplate::new(&src)
+        .map_err(anyhow::Error::msg)
+        .context("the chat template")
+}
 
-    // The pool: the default 4096 tokens, split evenly, never past the trained window per slot.
-    let parallel = settings.parallel.unwrap_or(1).max(1);
-    if settings.ctx_size.is_none() {
-        let trained = mcfg.context_length as u64;
-        let per_slot = (plan::Shape::default().ctx_size / parallel).clamp(1, trained.max(1));
-        settings.ctx_size = Some(per_slot * parallel);
-    }
-    let picked = pick_backend(settings.backend.unwrap_or(BackendKind::Auto))?;
-    let mut shape = settings.shape();
-    shape.backend = picked_kind(&picked);
-    let ledger = crate::cli::boot::plan(&file, &shape, settings.device_mib, &model_path)?;
-    let spec = shape.drafting().then(|| SpecConfig {
-        n_max: shape.draft_n_max as usize,
-        n_min: settings.spec_draft_n_min.unwrap_or(0) as usize,
-        p_min: settings.spec_draft_p_min.unwrap_or(0.0),
-    });
-    let ecfg = EngineConfig {
-        ctx_size: shape.ctx_size as usize,
-        parallel: shape.parallel as usize,
-        ubatch: shape.effective_ubatch() as usize,
-        kv_types: shape.kv_types(),
-        spec: spec.clone(),
-        draft_kv_types: shape.draft_kv_types(),
+/// The template variables every request starts from: `--chat-template-kwargs`, then
+/// `--reasoning-effort` and `--reasoning-preserve` (llama-server passes `preserve_reasoning`
+/// true unless told otherwise).
+fn template_kwargs(s: &Settings) -> Result<Map<String, Value>> {
+    let mut kw = match &s.chat_template_kwargs {
+        Some(k) => match serde_json::from_str::<Value>(k) {
+            Ok(Value::Object(m)) => m,
+            _ => bail!("--chat-template-kwargs {k:?} is not a JSON object"),
+        },
+        None => Map::new(),
     };
-    ecfg.validate(mcfg.context_length, mcfg.has_mtp())?;
+    if let Some(e) = &s.reasoning_effort {
+        if e == "default" {
+            kw.remove("reasoning_effort");
+        } else {
+            kw.insert("reasoning_effort".into(), Value::String(e.clone()));
+        }
+    }
+    if let Some(p) = s.reasoning_preserve {
+        kw.insert("preserve_reasoning".into(), Value::Bool(p));
+    }
+    kw.entry("preserve_reasoning").or_insert(Value::Bool(true));
+    Ok(kw)
+}
 
-    let mut sampler = SamplerConfig::from_gguf(&file);
-    if let Some(t) = settings.temp {
-        sampler.temperature = t;
-    }
-    if let Some(p) = settings.top_p {
-        sampler.top_p = p;
-    }
-    if let Some(k) = settings.top_k {
-        sampler.top_k = k.max(0) as usize;
-    }
-    if let Some(p) = settings.min_p {
-        sampler.min_p = p;
-    }
-    if let Some(p) = settings.presence_penalty {
-        sampler.presence_penalty = p;
-    }
-    sampler.validate().map_err(anyhow::Error::msg)?;
-    let fixed_seed = settings.seed.filter(|&s| s >= 0).map(|s| s as u64);
-    sampler.seed = fixed_seed.unwrap_or(u32::MAX as u64);
+/// The shape of these settings on this model and backend, settled: the pool from the model's
+/// trained context when the settings leave it open, a draft no deeper than a slot can use.
+fn settled_shape(s: &Settings, trained: u64, backend: BackendKind) -> Result<Shape> {
+    let mut shape = s.shape();
+    let asked = s.ctx_size.or(s
+        .kv_unified_per_slot
+        .map(|n| n.saturating_mul(shape.parallel)));
+    shape.ctx_size = boot::settle_pool(asked, shape.parallel, trained);
+    shape.backend = backend;
+    shape
+        .validate()
+        .map_err(|e| anyhow::anyhow!(e))
+        .context("the shape")?;
+    boot::check_draft_depth(&shape)?;
+    Ok(shape)
+}
 
+/// The API id and aliases: llama-server keeps `--alias` as a sorted set and serves the first.
+fn aliases(s: &Settings, file_name: &str) -> Vec<String> {
+    let mut a: Vec<String> = s
+        .alias
+        .iter()
+        .flat_map(|a| a.split(','))
+        .map(|a| a.trim().to_string())
+        .filter(|a| !a.is_empty())
+        .collect();
+    a.sort();
+    a.dedup();
+    if a.is_empty() {
+        a.push(file_name.to_string());
+    }
+    a
+}
+
+fn list(v: &Option<String>) -> Vec<String> {
+    let mut l: Vec<String> = v
+        .iter()
+        .flat_map(|t| t.split(','))
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+        .collect();
+    l.sort();
+    l.dedup();
+    l
+}
+
+#[allow(clippy::too_many_arguments)]
+fn server_config(
+    s: &Settings,
+    model: &OpenedModel,
+    mcfg: &crate::model::Config,
+    tok: &Tokenizer,
+    ecfg: &EngineConfig,
+    ledger: &Ledger,
+    backend: &str,
+    api_keys: Vec<String>,
+) -> Result<ServerConfig> {
+    let (sampler, fixed_seed) =
+        boot::sampler(&model.file, s).map_err(|e| anyhow::anyhow!("bad sampling settings: {e}"))?;
     let token_text = |id: Option<u32>| {
         id.and_then(|i| tok.decode(&[i], false).ok())
             .unwrap_or_default()
     };
+    let file = &model.file;
     let meta = ModelMeta {
         n_vocab: mcfg.n_vocab,
         n_ctx_train: mcfg.context_length,
@@ -267,62 +366,141 @@ pub fn prepare(mut settings: Settings) -> Result<Prepared> {
         bos_token: token_text(tok.bos()),
         eos_token: token_text(tok.eos()),
     };
-    let backend_name = picked.name().to_string();
-    let cfg = ServerConfig {
-        alias: settings.alias.clone().unwrap_or(file_name),
-        model_path,
-        api_key: settings.api_key.clone().filter(|k| !k.is_empty()),
-        metrics: settings.metrics.unwrap_or(false),
-        reasoning_format: settings
-            .reasoning_format
-            .unwrap_or(ReasoningFormat::Deepseek),
-        reasoning: settings.reasoning.unwrap_or(Reasoning::Auto),
-        mmproj: settings.mmproj.as_ref().map(|p| p.display().to_string()),
+    let encode = |t: &str| tok.encode(t, false, true).unwrap_or_default();
+    let aliases = aliases(s, &model.file_name);
+    let secs = |n: i64| (n > 0).then(|| Duration::from_secs(n as u64));
+    Ok(ServerConfig {
+        alias: aliases[0].clone(),
+        aliases,
+        tags: list(&s.tags),
+        model_path: model.path.clone(),
+        api_keys,
+        metrics: s.metrics.unwrap_or(false),
+        endpoint_slots: s.slots.unwrap_or(true),
+        endpoint_props: s.props.unwrap_or(false),
+        webui: s.webui.unwrap_or(true),
+        api_prefix: s.api_prefix.clone().unwrap_or_default(),
+        cors: Cors {
+            origins: s
+                .cors_origins
+                .clone()
+                .unwrap_or_else(|| Cors::default().origins),
+            methods: s
+                .cors_methods
+                .clone()
+                .unwrap_or_else(|| Cors::default().methods),
+            headers: s
+                .cors_headers
+                .clone()
+                .unwrap_or_else(|| Cors::default().headers),
+            credentials: s.cors_credentials.unwrap_or(true),
+        },
+        timeout: Duration::from_secs(s.timeout.unwrap_or(3600)),
+        sse_ping: secs(s.sse_ping_interval.unwrap_or(30)),
+        n_predict: s.n_predict.filter(|&n| n >= 0).map(|n| n as usize),
+        stop: s.reverse_prompt.clone().unwrap_or_default(),
+        ignore_eos: s.ignore_eos.unwrap_or(false),
+        cache_prompt: s.cache_prompt.unwrap_or(true),
+        special: s.special.unwrap_or(false),
+        skip_chat_parsing: s.skip_chat_parsing.unwrap_or(false),
+        template_kwargs: template_kwargs(s)?,
+        budget: BudgetDefaults {
+            tokens: s.reasoning_budget.unwrap_or(-1),
+            message: s.reasoning_budget_message.clone().unwrap_or_default(),
+            start: encode("<think>"),
+            end: encode("</think>"),
+            incomplete: Default::default(),
+        },
+        reasoning_format: s.reasoning_format.unwrap_or(ReasoningFormat::Deepseek),
+        reasoning: s.reasoning.unwrap_or(Reasoning::Auto),
+        mmproj: s.mmproj.as_ref().map(|p| p.display().to_string()),
         n_ctx_slot: ecfg.n_ctx_slot(),
         total_slots: ecfg.parallel,
         sampler,
         fixed_seed,
-        spec,
-        backend: backend_name,
-        build_info: format!("tern-{}", env!("CARGO_PKG_VERSION")),
-        verbosity: settings.log_verbosity.unwrap_or(3),
+        spec: ecfg.spec.clone(),
+        backend: backend.to_string(),
+        build_info: crate::build_info(),
         ledger: ledger
-            .clone()
             .lines
             .iter()
             .map(|l| (l.term.name().replace(' ', "_"), l.bytes))
             .collect(),
         meta,
-    };
+    })
+}
+
+/// Checks and prices everything short of loading the weights, in the order that fails
+/// soonest: the settings, the model file (a directory or another architecture is refused
+/// first), the side files, the template, the backend, the shape against the budget. Logs the
+/// summary (the full ledger at debug).
+pub fn prepare(settings: Settings) -> Result<Prepared> {
+    let s = settings;
+    s.validate()?;
+    let model = boot::open_model(s.model.as_deref())?;
+    check_side_files(&s)?;
+    let api_keys = s.api_keys()?;
+    let mcfg = crate::model::Config::from_gguf(&model.file)
+        .with_context(|| format!("{} is not a loadable qwen35 model", model.path))?;
+    let tok = Arc::new(
+        Tokenizer::from_gguf(&model.file)
+            .with_context(|| format!("the tokenizer of {}", model.path))?,
+    );
+    let template = chat_template(&s, &model.file)?;
+    let picked = crate::backend::pick::pick(s.backend_kind().name())?;
+    let shape = settled_shape(&s, mcfg.context_length as u64, picked_kind(&picked))?;
+    let ledger = boot::plan(&model.file, &shape, s.device_mib, &model.path)?;
+    let ecfg = boot::engine_config(&shape, &s);
+    ecfg.validate(mcfg.context_length, mcfg.has_mtp())?;
+    let cfg = server_config(
+        &s,
+        &model,
+        &mcfg,
+        &tok,
+        &ecfg,
+        &ledger,
+        picked.name(),
+        api_keys,
+    )?;
     let state = Arc::new(AppState::new(cfg, tok.clone(), template));
+    let threads = boot::threads(&s);
+    let file = model.file.clone();
     let loader: Loader = Box::new(move || {
         let engine = match picked {
-            Picked::Cpu(be) => start_engine(be, file, tok, ecfg),
-            Picked::Wgpu(be) => start_engine(be, file, tok, ecfg),
+            Picked::Cpu(be) => start_engine(be, file, tok, ecfg, threads),
+            Picked::Wgpu(be) => start_engine(be, file, tok, ecfg, threads),
             #[cfg(feature = "cuda")]
-            Picked::Cuda(be) => start_engine(be, file, tok, ecfg),
+            Picked::Cuda(be) => start_engine(be, file, tok, ecfg, threads),
         }?;
-        crate::cli::boot::report(&ledger, &engine.allocated);
+        boot::report(&ledger, &engine.allocated);
         Ok(engine)
     });
     Ok(Prepared {
         state,
         loader,
-        host: settings.host.clone().unwrap_or_else(|| "127.0.0.1".into()),
-        port: settings.port.unwrap_or(8080),
+        host: s.host.clone().unwrap_or_else(|| "127.0.0.1".into()),
+        port: s.port.unwrap_or(8080),
+        threads_http: s.threads_http.filter(|&n| n > 0).map(|n| n as usize),
     })
 }
 
-/// The `tern serve` command: boots, serves until SIGTERM or Ctrl-C, exits.
-pub fn run(args: &ServeArgs) -> Result<()> {
-    let settings = crate::cli::merged_settings(args.config.as_ref(), &args.settings)?;
+fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = threads {
+        b.worker_threads(n);
+    }
+    b.enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// The `tern serve` command: boots with the resolved settings, serves until SIGTERM or
+/// Ctrl-C, exits.
+pub fn run(settings: Settings) -> Result<()> {
     let prepared = prepare(settings)?;
     let listener = std::net::TcpListener::bind((prepared.host.as_str(), prepared.port))
         .with_context(|| format!("cannot listen on {}:{}", prepared.host, prepared.port))?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the async runtime")?;
+    let rt = runtime(prepared.threads_http)?;
     let r = rt.block_on(serve(
         listener,
         prepared,
@@ -331,7 +509,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     ));
     rt.shutdown_timeout(Duration::from_millis(300));
     if r.is_ok() {
-        eprintln!("I serve: stopped");
+        tracing::info!(target: "tern::server", "stopped");
     }
     r
 }
@@ -367,8 +545,11 @@ pub async fn serve(
     state.log(
         3,
         format!(
-            "listening on http://{addr} ({} slots × {} tokens, backend {}); loading the model",
-            state.cfg.total_slots, state.cfg.n_ctx_slot, state.cfg.backend
+            "listening on http://{addr} ({} slot{} × {} tokens, backend {}); loading the model",
+            state.cfg.total_slots,
+            if state.cfg.total_slots == 1 { "" } else { "s" },
+            state.cfg.n_ctx_slot,
+            state.cfg.backend
         ),
     );
     let (fail_tx, mut fail_rx) = tokio::sync::oneshot::channel::<anyhow::Error>();
@@ -396,15 +577,14 @@ pub async fn serve(
     let app = routes::router(state.clone(), opts.body_limit);
     let notify = Arc::new(tokio::sync::Notify::new());
     let n2 = notify.clone();
-    let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+    let server = listen::serve(listener, app, state.cfg.timeout, async move {
         n2.notified().await;
     });
-    let mut server = tokio::spawn(std::future::IntoFuture::into_future(server));
+    let mut server = tokio::spawn(server);
     let outcome = tokio::select! {
         r = &mut server => {
             return match r {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => Err(anyhow::Error::new(e).context("the HTTP server failed")),
+                Ok(()) => Ok(()),
                 Err(e) => Err(anyhow::anyhow!("the HTTP server task failed: {e}")),
             };
         }
@@ -496,10 +676,7 @@ pub fn spawn(settings: Settings, opts: Options) -> Result<Handle> {
     let thread = std::thread::Builder::new()
         .name("tern-serve".into())
         .spawn(move || -> Result<()> {
-            let rt = tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()?;
+            let rt = runtime(Some(prepared.threads_http.unwrap_or(2)))?;
             let r = rt.block_on(serve(listener, prepared, opts, async move {
                 let _ = rx.await;
             }));

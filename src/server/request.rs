@@ -107,28 +107,20 @@ pub fn opt_i64(m: &Obj, key: &str) -> Result<Option<i64>, ApiError> {
     }
 }
 
-/// `max_tokens`-like fields: the first of `keys` that is present. `allow_unlimited`: -1 means
-/// "until the slot window" (llama-server's n_predict). None when none is given.
-pub fn max_tokens(
-    m: &Obj,
-    keys: &[&str],
-    allow_unlimited: bool,
-) -> Result<Option<usize>, ApiError> {
+/// `max_tokens`-like fields: the first of `keys` that is present, with llama-server's range
+/// for all of them (-1 = no limit of its own, 0 = evaluate the prompt only). None when none is
+/// given, or -1.
+pub fn max_tokens(m: &Obj, keys: &[&str]) -> Result<Option<usize>, ApiError> {
     for key in keys {
         let Some(n) = opt_i64(m, key)? else {
             continue;
         };
-        if n == -1 && allow_unlimited {
+        if n == -1 {
             return Ok(None);
         }
-        if n < 1 {
+        if n < 0 {
             return Err(ApiError::bad_request(format!(
-                "'{key}' = {n} must be at least 1{}",
-                if allow_unlimited {
-                    " (or -1 for no limit)"
-                } else {
-                    ""
-                }
+                "'{key}' = {n} must be -1 (no limit), 0 (evaluate the prompt only) or positive"
             )));
         }
         if n as u64 > MAX_TOKENS_LIMIT {
@@ -165,7 +157,7 @@ pub fn stop_strings(m: &Obj) -> Result<Vec<String>, ApiError> {
 /// What every generation endpoint reads besides its prompt.
 #[derive(Clone, Debug)]
 pub struct GenParams {
-    /// None: until the slot window.
+    /// None: the server's `--n-predict`, else until the slot window.
     pub max_tokens: Option<usize>,
     pub sampler: SamplerConfig,
     pub stop: Vec<String>,
@@ -173,18 +165,28 @@ pub struct GenParams {
     pub stream: bool,
     /// `stream_options.include_usage`.
     pub include_usage: bool,
+    /// `cache_prompt`: reuse the slot's cached prefix.
+    pub cache_prompt: bool,
+    /// `sse_ping_interval` (-1 or 0: no pings).
+    pub sse_ping_interval: Option<i64>,
+}
+
+/// The server's defaults a request starts from: the model file's sampling and then the flags
+/// (`--seed`, `--reverse-prompt`, `--ignore-eos`, `--cache-prompt`).
+#[derive(Clone, Debug)]
+pub struct GenDefaults<'a> {
+    pub sampler: &'a SamplerConfig,
+    pub fixed_seed: Option<u64>,
+    pub stop: &'a [String],
+    pub ignore_eos: bool,
+    pub cache_prompt: bool,
 }
 
 /// Sampling: the server's defaults (model file, then flags), overridden by the request.
 /// `random_seed` is used when neither the flags nor the request fix one.
-pub fn gen_params(
-    m: &Obj,
-    defaults: &SamplerConfig,
-    fixed_seed: Option<u64>,
-    max_keys: &[&str],
-    allow_unlimited: bool,
-) -> Result<GenParams, ApiError> {
-    let mut s = defaults.clone();
+pub fn gen_params(m: &Obj, d: &GenDefaults, max_keys: &[&str]) -> Result<GenParams, ApiError> {
+    let fixed_seed = d.fixed_seed;
+    let mut s = d.sampler.clone();
     if let Some(t) = opt_f32(m, "temperature")?.or(opt_f32(m, "temp")?) {
         s.temperature = t;
     }
@@ -206,6 +208,9 @@ pub fn gen_params(
     }
     if let Some(p) = opt_f32(m, "frequency_penalty")? {
         s.frequency_penalty = p;
+    }
+    if let Some(p) = opt_f32(m, "repeat_penalty")? {
+        s.repeat_penalty = p;
     }
     if let Some(n) = opt_i64(m, "repeat_last_n")? {
         if n < -1 {
@@ -243,13 +248,29 @@ pub fn gen_params(
         Some(Value::Object(o)) => opt_bool(o, "include_usage")?.unwrap_or(false),
         Some(v) => return Err(wrong("stream_options", "an object", v)),
     };
+    let sse_ping_interval = opt_i64(m, "sse_ping_interval")?;
+    if let Some(n) = sse_ping_interval {
+        if !(-1..=i32::MAX as i64).contains(&n) {
+            return Err(ApiError::bad_request(format!(
+                "'sse_ping_interval' = {n} must be -1 (no pings) or in 0..={}",
+                i32::MAX
+            )));
+        }
+    }
+    let stop = stop_strings(m)?;
     Ok(GenParams {
-        max_tokens: max_tokens(m, max_keys, allow_unlimited)?,
+        max_tokens: max_tokens(m, max_keys)?,
         sampler: s,
-        stop: stop_strings(m)?,
-        ignore_eos: opt_bool(m, "ignore_eos")?.unwrap_or(false),
+        stop: if stop.is_empty() {
+            d.stop.to_vec()
+        } else {
+            stop
+        },
+        ignore_eos: opt_bool(m, "ignore_eos")?.unwrap_or(d.ignore_eos),
         stream: opt_bool(m, "stream")?.unwrap_or(false),
         include_usage,
+        cache_prompt: opt_bool(m, "cache_prompt")?.unwrap_or(d.cache_prompt),
+        sse_ping_interval,
     })
 }
 

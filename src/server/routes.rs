@@ -1,5 +1,6 @@
-//! The router: llama-server's routes, its middleware (503 while loading, the API key on every
-//! route but /health) and OpenAI-shaped errors for unknown routes and methods.
+//! The router: llama-server's routes, its middleware (the access log, CORS as `--cors-*` set
+//! it, 503 while loading, the API keys on every route but /health and the UI), `--api-prefix`,
+//! and OpenAI-shaped errors for unknown routes and methods.
 
 use std::sync::Arc;
 
@@ -22,12 +23,15 @@ use super::Body as RawBody;
 
 /// The app: every route, with `body_limit` bytes the most a request body may carry.
 pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
-    Router::new()
+    let routes = Router::new()
+        .route("/", get(webui))
+        .route("/index.html", get(webui))
+        .route("/sw.js", get(service_worker))
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/v1/models", get(models))
         .route("/models", get(models))
-        .route("/props", get(props))
+        .route("/props", get(props).post(props_change))
         .route("/slots", get(slots))
         .route("/metrics", get(metrics))
         .route("/v1/chat/completions", post(chat::chat_completions))
@@ -38,13 +42,119 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/apply-template", post(apply_template))
-        .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), gate))
-        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(DefaultBodyLimit::max(body_limit));
+    let prefix = state.cfg.api_prefix.clone();
+    let routes = if prefix.is_empty() {
+        routes
+    } else {
+        Router::new().nest(&prefix, routes)
+    };
+    routes
+        .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), cors))
         .layer(tower_http::catch_panic::CatchPanicLayer::custom(on_panic))
-        .layer(tower_http::cors::CorsLayer::permissive())
+        .layer(middleware::from_fn(super::access::log))
         .with_state(state)
+}
+
+/// Whether an Origin's host is this machine (llama-server's `--cors-origins localhost`).
+fn origin_is_localhost(origin: &str) -> bool {
+    let rest = origin.split_once("://").map_or(origin, |(_, r)| r);
+    let host = rest.split('/').next().unwrap_or("");
+    let host = if let Some(v6) = host.strip_prefix('[') {
+        v6.split(']').next().unwrap_or("")
+    } else {
+        host.rsplit_once(':').map_or(host, |(h, _)| h)
+    };
+    matches!(host, "localhost" | "127.0.0.1" | "::1")
+}
+
+/// CORS as llama-server answers it: `Access-Control-Allow-Origin` on every response (the
+/// Origin echoed when credentials are on and origins are `*`, only a localhost Origin for
+/// `localhost`, else the configured list), and a preflight OPTIONS answered here.
+async fn cors(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let c = &state.cfg.cors;
+    let origin = req
+        .headers()
+        .get(header::ORIGIN)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let allow = if c.credentials && c.origins == "*" {
+        origin.clone()
+    } else if c.origins == "localhost" {
+        origin.clone().filter(|o| origin_is_localhost(o))
+    } else {
+        Some(c.origins.clone())
+    };
+    let preflight = req.method() == axum::http::Method::OPTIONS;
+    let mut resp = if preflight {
+        let mut r = Response::new(axum::body::Body::empty());
+        let h = r.headers_mut();
+        let put = |h: &mut HeaderMap, k: header::HeaderName, v: &str| {
+            if let Ok(v) = header::HeaderValue::from_str(v) {
+                h.insert(k, v);
+            }
+        };
+        put(
+            h,
+            header::ACCESS_CONTROL_ALLOW_CREDENTIALS,
+            if c.credentials { "true" } else { "false" },
+        );
+        put(h, header::ACCESS_CONTROL_ALLOW_METHODS, &c.methods);
+        put(h, header::ACCESS_CONTROL_ALLOW_HEADERS, &c.headers);
+        r
+    } else {
+        next.run(req).await
+    };
+    if let Some(v) = allow.and_then(|a| header::HeaderValue::from_str(&a).ok()) {
+        resp.headers_mut()
+            .insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, v);
+    }
+    resp
+}
+
+/// `/`: llama-server's web UI. tern has no page yet: with the UI on (the default) the route
+/// says so with a 501; `--no-webui` answers 404 as llama-server does.
+async fn webui(State(state): State<Arc<AppState>>) -> Response {
+    if !state.cfg.webui {
+        return not_found().await;
+    }
+    ApiError::not_supported(
+        "tern has no web UI yet; the API is served under /v1 (start with --no-webui to answer 404 here)",
+    )
+    .into_response()
+}
+
+/// With the UI off, a browser's cached UI service worker is told to remove itself, as
+/// llama-server does.
+async fn service_worker(State(state): State<Arc<AppState>>) -> Response {
+    if state.cfg.webui {
+        return not_found().await;
+    }
+    const REMOVE: &str = "self.addEventListener('install', () => self.skipWaiting());\nself.addEventListener('activate', (e) => e.waitUntil((async () => {\n    await self.registration.unregister();\n    for (const key of await caches.keys()) await caches.delete(key);\n    for (const c of await self.clients.matchAll({ type: 'window' })) c.navigate(c.url);\n})()));\n";
+    (
+        StatusCode::OK,
+        [
+            (header::CONTENT_TYPE, "application/javascript"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        REMOVE,
+    )
+        .into_response()
+}
+
+/// `POST /props` (`--props`): llama-server accepts it and changes nothing yet; 501 without
+/// the flag.
+async fn props_change(State(state): State<Arc<AppState>>) -> Response {
+    if !state.cfg.endpoint_props {
+        return ApiError::not_supported(
+            "This server does not support changing global properties. Start it with `--props`",
+        )
+        .into_response();
+    }
+    Json(json!({ "success": true })).into_response()
 }
 
 fn on_panic(_: Box<dyn std::any::Any + Send + 'static>) -> Response {
@@ -64,38 +174,46 @@ async fn method_not_allowed() -> Response {
     .into_response()
 }
 
+/// Routes open without an API key: health, and the UI's own paths.
 fn is_public(path: &str) -> bool {
-    matches!(path, "/health" | "/v1/health")
+    matches!(
+        path,
+        "/health" | "/v1/health" | "/" | "/index.html" | "/sw.js"
+    )
 }
 
-/// llama-server's order: not ready → 503 on every route; then the API key (not on /health).
+/// llama-server's order: not ready → 503 on every route but the UI's; then the API key (not on
+/// the public routes).
 async fn gate(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    if req.method() == axum::http::Method::OPTIONS {
-        return next.run(req).await;
-    }
-    if state.ready().is_none() {
+    let path = req.uri().path();
+    let ui = matches!(path, "/" | "/index.html" | "/sw.js");
+    if state.ready().is_none() && !ui {
         return ApiError::unavailable("Loading model").into_response();
     }
-    if let Some(key) = &state.cfg.api_key {
-        if !is_public(req.uri().path()) && !authorized(req.headers(), key) {
-            state.log(
-                2,
-                format!("unauthorized: {} {}", req.method(), req.uri().path()),
-            );
-            return ApiError::unauthorized().into_response();
-        }
+    if !state.cfg.api_keys.is_empty()
+        && !is_public(path)
+        && !authorized(req.headers(), &state.cfg.api_keys)
+    {
+        state.log(
+            2,
+            format!("unauthorized: {} {}: Invalid API Key", req.method(), path),
+        );
+        return ApiError::unauthorized().into_response();
     }
     next.run(req).await
 }
 
-fn authorized(h: &HeaderMap, key: &str) -> bool {
+fn authorized(h: &HeaderMap, keys: &[String]) -> bool {
     let given = h
         .get(header::AUTHORIZATION)
         .or_else(|| h.get("x-api-key"))
         .and_then(|v| v.to_str().ok())
         .unwrap_or("");
     let given = given.strip_prefix("Bearer ").unwrap_or(given);
-    constant_time_eq(given.as_bytes(), key.as_bytes())
+    // Every key is compared, so the time taken says nothing about which one matched.
+    keys.iter().fold(false, |ok, k| {
+        constant_time_eq(given.as_bytes(), k.as_bytes()) | ok
+    })
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -113,6 +231,8 @@ fn model_info(state: &AppState) -> Value {
     let m = &state.cfg.meta;
     json!({
         "id": state.cfg.alias,
+        "aliases": state.cfg.aliases,
+        "tags": state.cfg.tags,
         "object": "model",
         "created": unix_now(),
         "owned_by": "llamacpp",
@@ -129,8 +249,31 @@ fn model_info(state: &AppState) -> Value {
     })
 }
 
+/// `/v1/models` as llama-server answers it: OpenAI's list, and the Ollama-style `models`
+/// array beside it.
 async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let name = &state.cfg.alias;
     Json(json!({
+        "models": [{
+            "name": name,
+            "model": name,
+            "modified_at": "",
+            "size": "",
+            "digest": "",
+            "type": "model",
+            "description": "",
+            "tags": [""],
+            "capabilities": ["completion"],
+            "parameters": "",
+            "details": {
+                "parent_model": "",
+                "format": "gguf",
+                "family": "",
+                "families": [""],
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+        }],
         "object": "list",
         "data": [model_info(&state)],
     }))
@@ -152,9 +295,10 @@ async fn props(State(state): State<Arc<AppState>>) -> Response {
         "model_alias": c.alias,
         "model_path": c.model_path,
         "modalities": { "vision": false, "video": false, "audio": false },
-        "endpoint_slots": true,
-        "endpoint_props": true,
+        "endpoint_slots": c.endpoint_slots,
+        "endpoint_props": c.endpoint_props,
         "endpoint_metrics": c.metrics,
+        "ui": c.webui,
         "chat_template": state.template.source(),
         "bos_token": c.meta.bos_token,
         "eos_token": c.meta.eos_token,
@@ -166,6 +310,12 @@ async fn props(State(state): State<Arc<AppState>>) -> Response {
 }
 
 async fn slots(State(state): State<Arc<AppState>>) -> Response {
+    if !state.cfg.endpoint_slots {
+        return ApiError::not_supported(
+            "This server does not support slots endpoint. Start it with `--slots`",
+        )
+        .into_response();
+    }
     let Some(engine) = state.ready() else {
         return ApiError::unavailable("Loading model").into_response();
     };

@@ -3,9 +3,9 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use crate::chat::ChatTemplate;
 use crate::config::{Reasoning, ReasoningFormat};
@@ -28,13 +28,75 @@ pub struct ModelMeta {
     pub eos_token: String,
 }
 
+/// `--cors-*`, as llama-server applies them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cors {
+    /// `*`, `localhost` (reflect a localhost Origin only) or a comma-separated list.
+    pub origins: String,
+    pub methods: String,
+    pub headers: String,
+    pub credentials: bool,
+}
+
+impl Default for Cors {
+    fn default() -> Cors {
+        Cors {
+            origins: "*".into(),
+            methods: "GET, POST, DELETE, OPTIONS".into(),
+            headers: "*".into(),
+            credentials: true,
+        }
+    }
+}
+
+/// `--reasoning-budget`: what every chat request starts from (a request may override the
+/// count and the message).
+#[derive(Clone, Debug, Default)]
+pub struct BudgetDefaults {
+    /// -1 = unrestricted.
+    pub tokens: i64,
+    pub message: String,
+    pub start: Vec<u32>,
+    pub end: Vec<u32>,
+    /// Per token id: its text ends mid-character.
+    pub incomplete: Arc<Vec<bool>>,
+}
+
 /// Settled at boot, read by every handler.
 #[derive(Clone, Debug)]
 pub struct ServerConfig {
+    /// The model id (`--alias`: the first of the aliases in sorted order, as llama-server).
     pub alias: String,
+    pub aliases: Vec<String>,
+    pub tags: Vec<String>,
     pub model_path: String,
-    pub api_key: Option<String>,
+    /// `--api-key` (comma-separated) and `--api-key-file`: any one is accepted.
+    pub api_keys: Vec<String>,
     pub metrics: bool,
+    /// `--slots` (default on): /slots answers 501 without it.
+    pub endpoint_slots: bool,
+    /// `--props`: POST /props is accepted.
+    pub endpoint_props: bool,
+    /// `--webui` (default on). tern has no UI page yet: with it on, / answers 501 saying so;
+    /// with `--no-webui`, / answers 404 and /sw.js unregisters a cached UI, as llama-server.
+    pub webui: bool,
+    pub api_prefix: String,
+    pub cors: Cors,
+    /// `--timeout`: the request head and body must arrive, and each write complete, within it.
+    pub timeout: Duration,
+    /// `--sse-ping-interval`: a `:` comment after this much silence on a stream.
+    pub sse_ping: Option<Duration>,
+    /// `--n-predict` when a request sets no limit (None: until the slot window is full).
+    pub n_predict: Option<usize>,
+    /// `--reverse-prompt`: stop strings for requests that give none.
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub cache_prompt: bool,
+    pub special: bool,
+    pub skip_chat_parsing: bool,
+    /// `--chat-template-kwargs`, `--reasoning-effort`, `--reasoning-preserve`.
+    pub template_kwargs: Map<String, Value>,
+    pub budget: BudgetDefaults,
     pub reasoning_format: ReasoningFormat,
     pub reasoning: Reasoning,
     /// A projector file was given (`--mmproj`); tern cannot run it yet.
@@ -48,7 +110,6 @@ pub struct ServerConfig {
     pub spec: Option<SpecConfig>,
     pub backend: String,
     pub build_info: String,
-    pub verbosity: u32,
     /// The boot ledger, as (term, bytes), for `tern:` metrics.
     pub ledger: Vec<(String, u64)>,
     pub meta: ModelMeta,
@@ -87,6 +148,7 @@ pub struct AppState {
     pub cancel_all: AtomicBool,
     pub next_task: AtomicU64,
     pub started: Instant,
+    incomplete: OnceLock<Arc<Vec<bool>>>,
 }
 
 impl AppState {
@@ -102,6 +164,7 @@ impl AppState {
             cancel_all: AtomicBool::new(false),
             next_task: AtomicU64::new(0),
             started: Instant::now(),
+            incomplete: OnceLock::new(),
         }
     }
 
@@ -109,15 +172,43 @@ impl AppState {
         self.engine.get()
     }
 
+    /// What a request's generation settings start from.
+    pub fn gen_defaults(&self) -> super::request::GenDefaults<'_> {
+        super::request::GenDefaults {
+            sampler: &self.cfg.sampler,
+            fixed_seed: self.cfg.fixed_seed,
+            stop: &self.cfg.stop,
+            ignore_eos: self.cfg.ignore_eos,
+            cache_prompt: self.cfg.cache_prompt,
+        }
+    }
+
+    /// Per token id: whether its text ends inside a UTF-8 character (the reasoning budget
+    /// waits for a whole character before forcing the end tag). Built at the first use.
+    pub fn incomplete_tokens(&self) -> Arc<Vec<bool>> {
+        self.incomplete
+            .get_or_init(|| {
+                Arc::new(
+                    (0..self.cfg.meta.n_vocab as u32)
+                        .map(|id| {
+                            self.tok
+                                .decode_bytes(&[id], false)
+                                .map(|b| crate::runtime::budget::ends_mid_char(&b))
+                                .unwrap_or(false)
+                        })
+                        .collect(),
+                )
+            })
+            .clone()
+    }
+
     pub fn new_task_id(&self) -> u64 {
         self.next_task.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Logs at llama.cpp's verbosity levels (1 error, 2 warning, 3 info, 4 debug).
+    /// Logs at llama.cpp's verbosity levels (1 error, 2 warning, 3 info, 4 and up debug).
     pub fn log(&self, level: u32, msg: impl AsRef<str>) {
-        if level <= self.cfg.verbosity {
-            log_line(level, msg.as_ref());
-        }
+        log_line(level, msg.as_ref());
     }
 
     /// Updates one slot's view (a poisoned lock is recovered: the view is advisory).
@@ -157,6 +248,7 @@ impl AppState {
             "reasoning_format": match self.cfg.reasoning_format {
                 ReasoningFormat::Deepseek => "deepseek",
                 ReasoningFormat::None => "none",
+                ReasoningFormat::Auto => "auto",
             },
             "speculative.type": if spec.is_some() { "draft-mtp" } else { "none" },
             "speculative.n_max": spec.map(|s| s.n_max).unwrap_or(0),
@@ -172,13 +264,12 @@ pub fn f32j(x: f32) -> Value {
     json!(v)
 }
 
-/// One log line on stderr: `LEVEL message`.
+/// One log event at a llama.cpp verbosity level.
 pub fn log_line(level: u32, msg: &str) {
-    let tag = match level {
-        0 | 1 => "E",
-        2 => "W",
-        3 => "I",
-        _ => "D",
-    };
-    eprintln!("{tag} serve: {msg}");
+    match level {
+        0 | 1 => tracing::error!(target: "tern::server", "{msg}"),
+        2 => tracing::warn!(target: "tern::server", "{msg}"),
+        3 => tracing::info!(target: "tern::server", "{msg}"),
+        _ => tracing::debug!(target: "tern::server", "{msg}"),
+    }
 }

@@ -1,0 +1,197 @@
+//! `tern generate --prompt P [settings]`: the serving engine on a prompt, from the command line.
+//!
+//! It reads the same settings as `serve` (the one flag table, the environment, `--config`):
+//! `--ctx-size` is the pool of all slots, `-n` the tokens to generate (-1 = until the slot
+//! window is full or the model ends), `--parallel N` runs the prompt once per slot (seeds
+//! seed, seed+1, ...). The text goes to stdout, the timings to stderr.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+
+use crate::backend::pick::Picked;
+use crate::backend::Backend;
+use crate::config::flags::Rewritten;
+use crate::config::Settings;
+use crate::gguf::Gguf;
+use crate::model::Model;
+use crate::plan::boot;
+use crate::plan::BackendKind;
+use crate::runtime::engine::{Engine, EngineConfig, Event, Request, Threads};
+use crate::runtime::sampler::SamplerConfig;
+use crate::tokenizer::Tokenizer;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// The prompt (special tokens are parsed).
+    #[arg(long, short = 'p')]
+    pub prompt: String,
+    /// YAML config file; the environment (LLAMA_ARG_*) and flags override its keys.
+    #[arg(long, value_name = "FILE.yaml")]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub settings: Settings,
+}
+
+fn kind(p: &Picked) -> BackendKind {
+    match p {
+        Picked::Cpu(_) => BackendKind::Cpu,
+        Picked::Wgpu(_) => BackendKind::Wgpu,
+        #[cfg(feature = "cuda")]
+        Picked::Cuda(_) => BackendKind::Cuda,
+    }
+}
+
+pub fn run(args: &GenerateArgs, given: Rewritten) -> Result<()> {
+    let r = super::resolve(args.config.as_deref(), &args.settings, given)?;
+    super::start_logging(&r)?;
+    let s = r.settings;
+    let model = boot::open_model(s.model.as_deref())?;
+    let mcfg = crate::model::Config::from_gguf(&model.file)
+        .with_context(|| format!("{} is not a loadable qwen35 model", model.path))?;
+    let (sampler, fixed) = boot::sampler(&model.file, &s)
+        .map_err(|e| anyhow::anyhow!("bad sampling settings: {e}"))?;
+    // A random seed unless --seed fixes one, as llama.cpp.
+    let sampler = SamplerConfig {
+        seed: fixed.unwrap_or_else(crate::server::request::random_seed),
+        ..sampler
+    };
+    let picked = crate::backend::pick::pick(s.backend_kind().name())?;
+    let mut shape = s.shape();
+    shape.ctx_size = boot::settle_pool(
+        s.ctx_size.or(s
+            .kv_unified_per_slot
+            .map(|n| n.saturating_mul(shape.parallel))),
+        shape.parallel,
+        mcfg.context_length as u64,
+    );
+    shape.backend = kind(&picked);
+    shape
+        .validate()
+        .map_err(|e| anyhow::anyhow!(e))
+        .context("the shape")?;
+    boot::check_draft_depth(&shape)?;
+    let ledger = boot::plan(&model.file, &shape, s.device_mib, &model.path)?;
+    let cfg = boot::engine_config(&shape, &s);
+    let n = match s.n_predict {
+        Some(n) if n >= 0 => n as usize,
+        _ => cfg.n_ctx_slot(),
+    };
+    let job = Job {
+        prompt: &args.prompt,
+        n,
+        sampler,
+        ignore_eos: s.ignore_eos.unwrap_or(false),
+        special: s.special.unwrap_or(false),
+        stop: s.reverse_prompt.clone().unwrap_or_default(),
+        threads: boot::threads(&s),
+    };
+    let file = model.file;
+    match picked {
+        Picked::Cpu(be) => generate(be, file, cfg, &ledger, &job),
+        Picked::Wgpu(be) => generate(be, file, cfg, &ledger, &job),
+        #[cfg(feature = "cuda")]
+        Picked::Cuda(be) => generate(be, file, cfg, &ledger, &job),
+    }
+}
+
+struct Job<'a> {
+    prompt: &'a str,
+    n: usize,
+    sampler: SamplerConfig,
+    ignore_eos: bool,
+    special: bool,
+    stop: Vec<String>,
+    threads: Threads,
+}
+
+fn generate<B: Backend + 'static>(
+    be: B,
+    file: Arc<Gguf>,
+    cfg: EngineConfig,
+    ledger: &crate::plan::Ledger,
+    job: &Job,
+) -> Result<()>
+where
+    B::W: 'static,
+{
+    let tok = Arc::new(Tokenizer::from_gguf(&file)?);
+    let name = be.name();
+    boot::read_with_progress(&file);
+    let m = Model::load(&be, file)?;
+    let ids = tok.encode(job.prompt, true, true)?;
+    if ids.is_empty() {
+        bail!("the prompt tokenizes to nothing");
+    }
+    let engine = Engine::start_with(m, be, tok, cfg.clone(), job.threads)?;
+    boot::report(ledger, &engine.allocated);
+    let t0 = Instant::now();
+    let handles: Vec<_> = (0..cfg.parallel)
+        .map(|i| {
+            engine.submit(Request {
+                prompt: ids.clone(),
+                max_tokens: job.n,
+                sampler: SamplerConfig {
+                    seed: job.sampler.seed + i as u64,
+                    ..job.sampler.clone()
+                },
+                stop: job.stop.clone(),
+                ignore_eos: job.ignore_eos,
+                special: job.special,
+                ..Default::default()
+            })
+        })
+        .collect();
+    let mut finishes = Vec::new();
+    let mut stdout = std::io::stdout().lock();
+    for (i, h) in handles.into_iter().enumerate() {
+        if cfg.parallel > 1 {
+            writeln!(stdout, "--- stream {i} ---")?;
+        }
+        // Streams as the tokens arrive (the other slots keep decoding meanwhile).
+        let fin = loop {
+            match h.events.recv() {
+                Ok(Event::Token { text, .. }) | Ok(Event::Text(text)) => {
+                    stdout.write_all(text.as_bytes())?;
+                    stdout.flush()?;
+                }
+                Ok(Event::Started { .. }) => {}
+                Ok(Event::Done(f)) => break f,
+                Ok(Event::Error(e)) => bail!("{e}"),
+                Err(_) => bail!("the engine stopped"),
+            }
+        };
+        writeln!(stdout)?;
+        finishes.push(fin);
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let total: usize = finishes.iter().map(|f| f.completion_tokens).sum();
+    for (i, f) in finishes.iter().enumerate() {
+        let t = &f.timings;
+        eprintln!(
+            "stream {i}: prompt {} tokens in {:.1} ms ({:.1} t/s); generated {} tokens in {:.1} ms ({:.1} t/s); drafted {} accepted {}; finish {:?}",
+            t.prompt_n,
+            t.prompt_ms,
+            t.prompt_n as f64 / (t.prompt_ms / 1e3).max(1e-9),
+            t.predicted_n,
+            t.predicted_ms,
+            t.predicted_n as f64 / (t.predicted_ms / 1e3).max(1e-9),
+            t.draft_n,
+            t.draft_n_accepted,
+            f.reason
+        );
+    }
+    let m = engine.metrics();
+    eprintln!(
+        "backend {name}: {} streams, {total} tokens in {wall:.3} s ({:.1} t/s aggregate); draft acceptance rate = {:.3} ({} accepted / {} generated)",
+        cfg.parallel,
+        total as f64 / wall.max(1e-9),
+        m.spec.acceptance_rate(),
+        m.spec.accepted,
+        m.spec.drafted
+    );
+    Ok(())
+}
