@@ -16,7 +16,7 @@
 use std::ffi::{c_char, c_int, CStr, CString};
 use std::fmt;
 
-use cudarc::nvrtc::{result, sys};
+use super::nvrtc_lib::{result, sys};
 
 use super::device::VEC_WARPS;
 use crate::backend::gpu::kernels::{cuda_defines, Kernel};
@@ -161,11 +161,7 @@ pub fn nvrtc_present() -> bool {
 
 /// Why NVRTC cannot be used here, or `None`.
 pub fn nvrtc_missing() -> Option<String> {
-    (!nvrtc_present()).then(|| {
-        "NVRTC (libnvrtc.so.12) is not on the library path: install the CUDA toolkit, or \
-         `pip install nvidia-cuda-nvrtc-cu12` and add its nvidia/cuda_nvrtc/lib to LD_LIBRARY_PATH"
-            .to_string()
-    })
+    super::nvrtc_lib::missing()
 }
 
 /// NVRTC's (major, minor) version. Call only when `nvrtc_present()`.

@@ -13,6 +13,7 @@
 pub mod device;
 pub mod emu;
 pub mod kernels;
+pub mod nvrtc_lib;
 
 use super::gpu::GpuBackend;
 use super::BackendError;
