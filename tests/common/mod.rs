@@ -137,20 +137,26 @@ pub fn cpu() -> CpuBackend {
 }
 
 /// The wgpu backend when an adapter exists (lavapipe in CI), shared by the tests of one
-/// binary; `None` with the reason printed otherwise.
+/// binary; `None` with the reason printed otherwise. With `TERN_REQUIRE_WGPU=1` (CI, and a GPU
+/// machine's run) a missing adapter fails instead of skipping, as `TERN_REQUIRE_CUDA` does.
 pub fn wgpu() -> Option<&'static WgpuBackend> {
-    static BE: OnceLock<Option<WgpuBackend>> = OnceLock::new();
-    BE.get_or_init(|| match WgpuBackend::new() {
-        Ok(b) => {
-            eprintln!("{}", b.dev.describe());
-            Some(b)
-        }
-        Err(e) => {
-            eprintln!("wgpu tests skipped: {e}");
+    static BE: OnceLock<Result<WgpuBackend, String>> = OnceLock::new();
+    let r = BE.get_or_init(|| {
+        WgpuBackend::new()
+            .inspect(|b| eprintln!("{}", b.dev.describe()))
+            .map_err(|e| e.to_string())
+    });
+    match r {
+        Ok(b) => Some(b),
+        Err(why) => {
+            assert!(
+                std::env::var("TERN_REQUIRE_WGPU").as_deref() != Ok("1"),
+                "TERN_REQUIRE_WGPU=1 but {why}"
+            );
+            eprintln!("wgpu tests skipped: {why}");
             None
         }
-    })
-    .as_ref()
+    }
 }
 
 /// The CUDA backend when a device is present (built with `--features cuda`), shared by the
