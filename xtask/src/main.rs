@@ -3,6 +3,7 @@
 mod bench;
 mod fixtures;
 mod fold;
+mod gpu_kit;
 mod llama_flags;
 mod quality;
 mod rng;
@@ -30,6 +31,8 @@ const USAGE: &str = "usage: cargo xtask <task>
   bench --kernels       single-thread dot_row throughput per weight type
   bench --engine [--wgpu] [FILE]
                         the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on
+  gpu-kit [--out DIR]   build, without a GPU, the kit that checks the cuda and wgpu backends on an
+                        NVIDIA machine with no Rust toolchain (default target/gpu-kit; cuda/README.md)
   llama-flags [--arg-cpp FILE]
                         the options stock llama-server accepts, read from llama.cpp's
                         common/arg.cpp (default: $TERN_LLAMA_CPP/common/arg.cpp), written to
@@ -177,6 +180,21 @@ fn main() -> Result<()> {
                     .collect();
             }
             bench::run(&root, &o)
+        }
+        Some("gpu-kit") => {
+            let root = workspace_root();
+            let mut out = root.join("target/gpu-kit");
+            let mut it = args[1..].iter();
+            while let Some(a) = it.next() {
+                match a.as_str() {
+                    "--out" => match it.next() {
+                        Some(d) => out = PathBuf::from(d),
+                        None => bail!("--out needs a directory\n{USAGE}"),
+                    },
+                    other => bail!("unknown option {other}\n{USAGE}"),
+                }
+            }
+            gpu_kit::run(&root, &out)
         }
         Some("quality") => {
             let root = workspace_root();
