@@ -170,7 +170,9 @@ chmod 700 "$XDG_RUNTIME_DIR"
 
 # ---- device: what is there, and what the binaries will load --------------------------------
 t0=$(now)
-has_lib() { ldconfig -p 2>/dev/null | grep -q "[[:space:]]$1 "; }
+# ldconfig may live in /sbin, off a plain PATH.
+LDCONFIG=$(command -v ldconfig || echo /sbin/ldconfig)
+has_lib() { "$LDCONFIG" -p 2>/dev/null | grep -q "[[:space:]]$1 "; }
 [ -d /usr/local/nvidia/bin ] && PATH="$PATH:/usr/local/nvidia/bin"
 GPU=0
 if command -v nvidia-smi >/dev/null 2>&1; then
@@ -208,7 +210,7 @@ done
 if [ -n "${TERN_NVRTC_LIB:-}" ]; then
   note "NVRTC: TERN_NVRTC_LIB=$TERN_NVRTC_LIB (given)"
 elif has_lib libnvrtc.so.12 || has_lib libnvrtc.so.13 || has_lib libnvrtc.so; then
-  note "NVRTC: on the loader path: $(ldconfig -p | grep -o 'libnvrtc\.so[.0-9]* .*=> [^ ]*' | tr '\n' ' ')"
+  note "NVRTC: on the loader path: $("$LDCONFIG" -p | grep -o 'libnvrtc\.so[.0-9]* .*=> [^ ]*' | tr '\n' ' ')"
 else
   cands=$(
     python3 - <<'PY' 2>/dev/null

@@ -47,9 +47,6 @@ const MAX_KIT_BYTES: u64 = 60 << 20;
 /// Libraries the check may need on a machine that has the NVIDIA driver but no Vulkan loader.
 const VULKAN_LIBS: [&str; 2] = ["libvulkan.so.1", "libGLdispatch.so.0"];
 
-/// The script's own copy, so that a kit is never built with a script from another commit.
-const SCRIPT: &str = include_str!("../gpu-check.sh");
-
 pub fn run(root: &Path, out: &Path) -> Result<()> {
     let t0 = std::time::Instant::now();
     let mut test_args: Vec<String> = ["test", "--release", "--features", "cuda", "--no-run"]
@@ -137,7 +134,8 @@ pub fn run(root: &Path, out: &Path) -> Result<()> {
     std::fs::remove_dir_all(&stage)?;
 
     let script = out.join("gpu-check.sh");
-    std::fs::write(&script, SCRIPT)?;
+    std::fs::copy(root.join("xtask/gpu-check.sh"), &script)
+        .context("copying xtask/gpu-check.sh into the kit")?;
     std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
     std::fs::write(out.join("tree.sha256"), tree_hashes(&manifest_dir)?)?;
     let built_at = manifest_dir
@@ -157,7 +155,7 @@ pub fn run(root: &Path, out: &Path) -> Result<()> {
     println!("binaries (built, then stripped into kit.tar.xz):");
     for (name, built, stripped) in &staged {
         println!(
-            "  {name:<16} {:>8.1} MiB -> {:>6.1} MiB",
+            "  {name:<22} {:>6.1} MiB -> {:>5.1} MiB",
             mib(*built),
             mib(*stripped)
         );
