@@ -152,7 +152,7 @@ fi
 if (cd "$KIT_BUILT_AT" 2>/dev/null && sha256sum --quiet -c "$KIT/tree.sha256" >"$WORK/tree-check.txt" 2>&1); then
   note "tree: the $(wc -l <"$KIT/tree.sha256") fixture, shader and kernel files the tests read match the kit's build"
 else
-  note "tree: $(grep -c 'FAILED' "$WORK/tree-check.txt") files the tests read differ from the kit's build (first: $(head -n 1 "$WORK/tree-check.txt")): results may not be this commit's"
+  note "tree: files the tests read that differ from the kit's build: $(grep -c 'FAILED' "$WORK/tree-check.txt") (first: $(head -n 1 "$WORK/tree-check.txt")): results may not be this commit's"
 fi
 
 # Unpack the binaries (xz with tar where it exists, else Python's lzma).
@@ -417,7 +417,12 @@ case "$BENCH_MODE" in
     row "bench" "skipped (TERN_KIT_BENCH=$BENCH_MODE)" - - - 0
     ;;
 esac
-if [ "$rc" = 0 ]; then
+if [ "$rc" = 0 ] && [ "${TERN_CUDA_EMULATE:-}" = 1 ] && [ $GPU = 0 ]; then
+  # A dry run: the bench has no emulator, so only wgpu is measured.
+  row "bench: --backend cuda" "skipped (the bench has no emulator)" - - - 0
+  # shellcheck disable=SC2086
+  bench wgpu "$(step_secs 200 15)" $ARGS $FILES
+elif [ "$rc" = 0 ]; then
   # shellcheck disable=SC2086
   if ! bench cuda,wgpu "$(step_secs 200 15)" $ARGS $FILES; then
     # One backend failing stops the combined run: measure each alone.
@@ -435,7 +440,8 @@ if [ -n "${KIT_KERNELS_TEST:-}" ] && [ -x "$BIN/$KIT_KERNELS_TEST" ]; then
   t0=$(now)
   klog="$OUT/kernels.log"
   : >"$klog"
-  capped "$(step_secs 90 0)" "$klog" env TERN_REQUIRE_NVRTC=1 "$BIN/$KIT_KERNELS_TEST" --nocapture
+  cap=$(step_secs 90 0)
+  capped "$cap" "$klog" env TERN_REQUIRE_NVRTC=1 "$BIN/$KIT_KERNELS_TEST" --nocapture
   rc=$?
   res=$(grep -E '^test result:' "$klog" | tail -n 1)
   p=$(echo "$res" | grep -oE '[0-9]+ passed' | grep -oE '[0-9]+')
@@ -444,7 +450,10 @@ if [ -n "${KIT_KERNELS_TEST:-}" ] && [ -x "$BIN/$KIT_KERNELS_TEST" ]; then
   row "kernels: ${nv:-NVRTC} + ptxas, sm_86 and sm_90" "$(verdict $rc)" "${p:-0}" "${f:-0}" 0 $(($(now) - t0))
   if [ $rc != 0 ]; then
     { echo "### kernels ($(verdict $rc))"; echo '```'
-      { grep -E '^test .* FAILED$' "$klog"; grep -E -A5 "panicked at" "$klog"; } | awk '!seen[$0]++' | head -n 40
+      # A timeout leaves no verdicts: its cap and the last kernels it reached say how far it got.
+      if [ $rc = 124 ] || [ $rc = 137 ]; then echo "[kit] stopped at its ${cap} s cap; its last lines:"; fi
+      { grep -E '^test .* FAILED$' "$klog"; grep -E -A5 "panicked at" "$klog"
+        tail -n 5 "$klog"; } | awk '!seen[$0]++' | head -n 40
       echo '```'; } >>"$FAILS"
   fi
 fi
