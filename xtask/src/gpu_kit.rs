@@ -24,13 +24,14 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 /// The test binaries whose `cuda` and `wgpu` instances the check runs (issue #12, part 5).
-pub const TESTS: [&str; 10] = [
+pub const TESTS: [&str; 11] = [
     "ops_basic",
     "ops_f16",
     "ops_matmul",
     "ops_attention",
     "ops_gdn",
     "golden",
+    "perplexity",
     "engine",
     "speculative",
     "batch",
