@@ -81,10 +81,26 @@ pub enum FormatError {
         end: u64,
         len: u64,
     },
+    #[error("tensor {name:?}: data offset {offset} {}, expected {expected}", offset_problem(*.offset, *.expected, .previous.as_deref()))]
+    UnexpectedOffset {
+        name: String,
+        offset: u64,
+        expected: u64,
+        /// The tensor before it in the table, if any.
+        previous: Option<String>,
+    },
     #[error("duplicate tensor name {0:?}")]
     DuplicateTensor(String),
     #[error("tensor count {0} is larger than the file could hold")]
     TooManyTensors(u64),
     #[error("metadata count {0} is larger than the file could hold")]
     TooManyKeys(u64),
+}
+
+fn offset_problem(offset: u64, expected: u64, previous: Option<&str>) -> String {
+    match previous {
+        Some(p) if offset < expected => format!("overlaps the data of tensor {p:?}"),
+        Some(p) => format!("leaves a gap after the data of tensor {p:?}"),
+        None => "does not start the data section".to_string(),
+    }
 }

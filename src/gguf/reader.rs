@@ -177,6 +177,22 @@ impl Gguf {
         &self.backing.bytes()[start..start + t.nbytes as usize]
     }
 
+    /// The same file with its tensor table and data but no metadata: what a walk over the
+    /// tensors needs as an `Arc<Gguf>` (the data stays shared, nothing is copied but the table).
+    pub fn table_view(&self) -> Gguf {
+        Gguf {
+            path: self.path.clone(),
+            backing: self.backing.clone(),
+            version: self.version,
+            metadata: Vec::new(),
+            index: HashMap::new(),
+            tensors: self.tensors.clone(),
+            tensor_index: self.tensor_index.clone(),
+            alignment: self.alignment,
+            data_offset: self.data_offset,
+        }
+    }
+
     /// The whole file as bytes (for hashing and for backends that upload straight from the map).
     pub fn bytes(&self) -> &[u8] {
         self.backing.bytes()
@@ -415,6 +431,24 @@ fn parse_header(buf: &[u8]) -> Result<Header, FormatError> {
                 })
             }
         }
+    }
+    // ggml's gguf reader lays the data section out from the table: each tensor starts where
+    // the one before it ends, padded to the alignment. Holding files to that refuses data
+    // shared by two tensors (a weight read through another's bytes) and unaccounted gaps.
+    let mut expected = 0u64;
+    let mut prev: Option<&TensorInfo> = None;
+    for t in &tensors {
+        if t.offset != expected {
+            return Err(FormatError::UnexpectedOffset {
+                name: t.name.clone(),
+                offset: t.offset,
+                expected,
+                previous: prev.map(|p| p.name.clone()),
+            });
+        }
+        // In bounds (checked above), so neither sum can overflow.
+        expected = (t.offset + t.nbytes).div_ceil(alignment) * alignment;
+        prev = Some(t);
     }
     Ok(Header {
         version,

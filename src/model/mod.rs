@@ -34,6 +34,8 @@ pub enum ModelError {
         expected: String,
         found: Vec<u64>,
     },
+    #[error("tensor {name:?}: {why}")]
+    BadTensor { name: String, why: String },
     #[error("prism.hadamard: {0}")]
     Hadamard(#[from] HadamardError),
     #[error("tensor {name:?}: {why}")]

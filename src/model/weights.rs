@@ -2,12 +2,87 @@
 //! Hadamard-folded weight bound to its transform at load time.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::{Config, ModelError};
-use crate::backend::{Fold, Uploader, WeightSource};
+use crate::backend::{BackendError, Fold, Uploader, WeightSource};
 use crate::gguf::Gguf;
 use crate::quant::hadamard::{GdnPermutation, HadamardConfig};
+
+/// Walks the tensor table exactly as loading does, allocating nothing: every tensor the config
+/// implies must be present with its shape and a type tern computes, the fold must cover what
+/// it lists, and nothing else may be in the table (llama.cpp's loader refuses a file whose
+/// table has tensors its graph does not create: "wrong number of tensors"). Optional tensors
+/// follow llama.cpp: `output.weight` (else the tied embedding) and the MTP head's
+/// `embed_tokens`/`shared_head_head`/`shared_head_norm`. An MTP block is read whole or not at
+/// all: a header that declares one whose tensors are all absent loads without it.
+pub(super) fn validate_table(g: &Gguf, cfg: &Config) -> Result<(), ModelError> {
+    let had = HadamardConfig::from_gguf(g)?.map(Arc::new);
+    let view = Arc::new(g.table_view());
+    let seen = Validator::default();
+    Weights::load(&seen, &view, cfg, had.as_ref())?;
+    let seen = seen.names.into_inner().unwrap_or_else(|p| p.into_inner());
+    if let Some(t) = g.tensors().iter().find(|t| !seen.contains(&t.name)) {
+        return Err(ModelError::BadTensor {
+            name: t.name.clone(),
+            why: unread_reason(&t.name, cfg),
+        });
+    }
+    Ok(())
+}
+
+/// Why a tensor that qwen35 does not read is in the table, as near as the name tells.
+fn unread_reason(name: &str, cfg: &Config) -> String {
+    let layer = name
+        .strip_prefix("blk.")
+        .and_then(|r| r.split_once('.'))
+        .and_then(|(n, _)| n.parse::<u64>().ok());
+    match layer {
+        Some(il) if il >= cfg.n_layer_all as u64 => format!(
+            "belongs to block {il}, but block_count = {} (the header describes fewer layers than the table holds)",
+            cfg.n_layer_all
+        ),
+        Some(il) if il == cfg.n_layer as u64 && cfg.has_mtp() => {
+            "belongs to the MTP block, whose tensors are incomplete (no blk.N.nextn.* tensors)".into()
+        }
+        Some(il) if il == cfg.n_layer as u64 => format!(
+            "belongs to block {il}, which is past the trunk's {} layers and nextn_predict_layers = 0",
+            cfg.n_layer
+        ),
+        Some(il) => format!(
+            "is not a tensor of qwen35 block {il} ({} layer)",
+            if cfg.is_recurrent(il as usize) { "Gated DeltaNet" } else { "full-attention" }
+        ),
+        None => "is not a tensor of the qwen35 architecture (llama.cpp refuses a table with tensors its graph does not read)".into(),
+    }
+}
+
+/// The validation walk's uploader: records each tensor it is handed and refuses the types no
+/// backend computes, before any backend allocates for the model.
+#[derive(Default)]
+struct Validator {
+    names: Mutex<BTreeSet<String>>,
+}
+
+impl Uploader for Validator {
+    type W = ();
+    fn upload(&self, w: &WeightSource) -> Result<(), BackendError> {
+        if !w.info.ty.can_compute() {
+            return Err(BackendError::BadWeight {
+                name: w.info.name.clone(),
+                what: format!(
+                    "type {} has no kernels in tern (F32, F16, BF16, Q8_0, Q4_0, PQ2_0, PTQ1_0 and legacy Q2_0 do)",
+                    w.info.ty
+                ),
+            });
+        }
+        self.names
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(w.info.name.clone());
+        Ok(())
+    }
+}
 
 pub struct AttnWeights<W> {
     pub q: W,

@@ -10,6 +10,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::gguf::{Gguf, Value};
+use crate::tensor::GgmlType;
 
 const PREFIX: &str = "prism.hadamard.";
 const K_VERSION: &str = "prism.hadamard.version";
@@ -178,6 +179,10 @@ pub enum HadamardError {
     MissingSignWidth { name: String, width: u64 },
     #[error("prism.hadamard.inverse_weight_names: {0:?} is not allowed (only {INVERSE_NAME:?} is un-rotated after lookup)")]
     BadInverseName(String),
+    #[error("prism.hadamard.weight_names and inverse_weight_names name no tensor, but tensor {name:?} is {ty}: ternary weights are stored folded and would be used without their transform")]
+    NothingFolded { name: String, ty: GgmlType },
+    #[error("prism.hadamard.tied_output is true but the file has its own output.weight")]
+    TiedOutputWithOutput,
     #[error("GDN permutation: width {width} with {n_v} value heads in {n_k} key groups does not divide evenly")]
     BadGdnGeometry {
         width: usize,
@@ -293,6 +298,20 @@ impl HadamardConfig {
             }
         }
 
+        // A fold that names nothing beside ternary weights: PrismML's ternary tensors are
+        // stored folded, so they would be multiplied without their transform.
+        if folded.is_empty() && inverse.is_empty() {
+            if let Some(t) = g.tensors().iter().find(|t| is_ternary(t.ty)) {
+                return Err(HadamardError::NothingFolded {
+                    name: t.name.clone(),
+                    ty: t.ty,
+                });
+            }
+        }
+        if tied_output && g.tensor("output.weight").is_some() {
+            return Err(HadamardError::TiedOutputWithOutput);
+        }
+
         Ok(Some(HadamardConfig {
             version: version as u32,
             block_size,
@@ -375,6 +394,14 @@ impl HadamardConfig {
         fwht_blockwise(z, self.block_size);
         self.apply_signs(z);
     }
+}
+
+/// The PrismML ternary layouts, which the fork only writes Hadamard-folded.
+fn is_ternary(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::PQ2_0 | GgmlType::PTQ1_0 | GgmlType::Q2_0Legacy
+    )
 }
 
 fn type_name(v: &Value) -> String {
