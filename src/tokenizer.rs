@@ -1,10 +1,12 @@
 //! The GGUF vocabulary (`tokenizer.ggml.*`) as a byte-level BPE tokenizer, matching llama.cpp.
 //!
 //! Qwen3.5 files carry a GPT-2 style vocabulary (`tokenizer.ggml.model = "gpt2"`): byte-level
-//! BPE over pre-tokens cut by the `tokenizer.ggml.pre` regex. Encoding runs on the `tokenizers`
-//! crate (a BPE model from the GGUF vocab and merges behind a
-//! `Sequence[Split(regex, Isolated), ByteLevel(no prefix space, no regex)]` pre-tokenizer, no
-//! normalizer: llama.cpp applies none, not even the NFC step of HF's Qwen3.5 tokenizer).
+//! BPE over pre-tokens cut by the `tokenizer.ggml.pre` rules. The cut is [`split`], a port of
+//! llama.cpp's own hand-written qwen35/qwen2 splitter (linear, no length limit); each
+//! pre-token is byte-level mapped and merged by the `tokenizers` crate's BPE model (built from
+//! the GGUF vocab and merges; no normalizer: llama.cpp applies none, not even the NFC step of
+//! HF's Qwen3.5 tokenizer). A pre-token the BPE cannot cover entirely (a byte with no symbol in
+//! the vocabulary) is an error, never a silently shortened encoding.
 //!
 //! Everything around the BPE follows llama.cpp (`src/llama-vocab.cpp`), which is the reference
 //! our goldens come from:
@@ -20,10 +22,8 @@
 //!   unused/undefined tokens as nothing. The pieces are precomputed once at load.
 //! - end-of-generation tokens are chosen by llama.cpp's text list plus eos/eot/eom and the
 //!   FIM pad/repo/separator tokens.
-//! - the pre-tokenizer regex is llama.cpp's, with the code points new in Unicode 16 taken out
-//!   of `\p{L}`, `\p{M}` and `\p{N}` (see `UNICODE16_LMN`). With that, it cut ~100k random
-//!   strings (whole code space, plus whitespace, marks, digits and apostrophes) exactly as
-//!   llama.cpp's own splitter (`unicode.cpp`, compiled) did, for qwen35 and qwen2.
+//! - the pre-tokenizer split is llama.cpp's, code point classes included (see [`split`]):
+//!   it cuts any text exactly as llama.cpp's `unicode.cpp` does, whatever its length.
 //!
 //! Deliberate differences from llama.cpp, all on malformed or foreign files: a missing
 //! `tokenizer.ggml.pre`, a pre other than `qwen35`/`qwen2`, an out-of-range special token id,
@@ -33,52 +33,12 @@
 
 use std::collections::{HashMap, HashSet};
 
+pub mod split;
+
 use tokenizers::models::bpe::{Vocab, BPE};
-use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-use tokenizers::pre_tokenizers::sequence::Sequence;
-use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::{Model, ModelWrapper, PreTokenizerWrapper, SplitDelimiterBehavior};
+use tokenizers::Model;
 
 use crate::gguf::{Gguf, Value};
-
-/// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN35` expression. HF's `(?i:'s|...)` group is spelled
-/// out as case classes, so that e.g. U+017F (long s), which `(?i:s)` would match by case
-/// folding, is not taken for a contraction (llama.cpp's splitter does not either).
-const QWEN35_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-/// llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2` expression: as qwen35 without `\p{M}`, so a
-/// combining mark is punctuation to it.
-const QWEN2_REGEX: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-
-/// The letters, marks and digits first assigned in Unicode 16.0. llama.cpp's category tables
-/// (`unicode-data.cpp`) predate them and give them no category, so its splitter treats them
-/// like punctuation; the regex crate knows Unicode 16. Subtracting them from `\p{L}`, `\p{M}`
-/// and `\p{N}` makes the two agree on every code point (checked against llama.cpp's
-/// `unicode_cpt_flags_from_cpt` over the whole code space; `\s` already agreed).
-const UNICODE16_LMN: &str = r"\x{897}\x{1C89}-\x{1C8A}\x{A7CB}-\x{A7CD}\x{A7DA}-\x{A7DC}\x{105C0}-\x{105F3}\x{10D40}-\x{10D65}\x{10D69}-\x{10D6D}\x{10D6F}-\x{10D85}\x{10EC2}-\x{10EC4}\x{10EFC}\x{11380}-\x{11389}\x{1138B}\x{1138E}\x{11390}-\x{113B5}\x{113B7}-\x{113C0}\x{113C2}\x{113C5}\x{113C7}-\x{113CA}\x{113CC}-\x{113D3}\x{113E1}-\x{113E2}\x{116D0}-\x{116E3}\x{11BC0}-\x{11BE0}\x{11BF0}-\x{11BF9}\x{11F5A}\x{13460}-\x{143FA}\x{16100}-\x{16139}\x{16D40}-\x{16D6C}\x{16D70}-\x{16D79}\x{18CFF}\x{1CCF0}-\x{1CCF9}\x{1E5D0}-\x{1E5FA}";
-
-/// The expression the pre-tokenizer runs: llama.cpp's, with every class that uses `\p{L}`,
-/// `\p{M}` or `\p{N}` minus [`UNICODE16_LMN`] (regex class difference `--`; the `--` binds
-/// loosest, so `[^a\p{L}--[X]]` is the complement of `(a ∪ L) − X`).
-fn pre_regex(pre: PreType) -> String {
-    let expr = match pre {
-        PreType::Qwen35 => QWEN35_REGEX,
-        PreType::Qwen2 => QWEN2_REGEX,
-    };
-    let minus = format!("--[{UNICODE16_LMN}]]");
-    expr.replace(r"[\p{L}\p{M}]", &format!(r"[\p{{L}}\p{{M}}{minus}"))
-        .replace(
-            r"[^\r\n\p{L}\p{N}]",
-            &format!(r"[^\r\n\p{{L}}\p{{N}}{minus}"),
-        )
-        .replace(
-            r"[^\s\p{L}\p{M}\p{N}]",
-            &format!(r"[^\s\p{{L}}\p{{M}}\p{{N}}{minus}"),
-        )
-        .replace(r"[^\s\p{L}\p{N}]", &format!(r"[^\s\p{{L}}\p{{N}}{minus}"))
-        .replace(r"?\p{L}+", &format!(r"?[\p{{L}}{minus}+"))
-        .replace(r"|\p{N}|", &format!(r"|[\p{{N}}{minus}|"))
-}
 
 /// GGUF metadata keys (llama.cpp `llama-arch.cpp`).
 mod key {
@@ -231,6 +191,10 @@ pub enum TokenizerError {
         context: &'static str,
         message: String,
     },
+    #[error("the pre-tokenizer split of a {len}-byte text stopped at byte {at}")]
+    SplitIncomplete { at: usize, len: usize },
+    #[error("the vocabulary has no token for part of the pre-token {piece:?} (byte-level BPE needs a symbol for every byte)")]
+    Untokenizable { piece: String },
     #[error("token id {id} ({what}) is out of range: the vocabulary has {n_vocab} tokens")]
     TokenIdOutOfRange {
         what: String,
@@ -240,11 +204,7 @@ pub enum TokenizerError {
 }
 
 /// The pre-tokenizer flavours we accept (`tokenizer.ggml.pre`).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum PreType {
-    Qwen35,
-    Qwen2,
-}
+type PreType = split::Flavor;
 
 /// A piece of input after special-token partitioning.
 enum Fragment<'a> {
@@ -253,9 +213,11 @@ enum Fragment<'a> {
 }
 
 pub struct Tokenizer {
-    /// BPE model + pre-tokenizer; knows no special tokens (see the module comment).
-    hf: tokenizers::Tokenizer,
+    /// The BPE merges over byte-level symbols; knows no special tokens (see the module comment).
+    bpe: BPE,
     pre: PreType,
+    /// GPT-2's `bytes_to_unicode`: the symbol each byte is spelled with in the vocabulary.
+    b2u: [char; 256],
     /// Raw vocab strings, concatenated; token `i` is `texts[text_off[i]..text_off[i + 1]]`.
     texts: String,
     text_off: Vec<usize>,
@@ -299,8 +261,8 @@ impl Tokenizer {
             return Err(TokenizerError::UnsupportedModel(model.to_string()));
         }
         let pre = match require_str(g, key::PRE)? {
-            "qwen35" => PreType::Qwen35,
-            "qwen2" => PreType::Qwen2,
+            "qwen35" => split::Flavor::Qwen35,
+            "qwen2" => split::Flavor::Qwen2,
             other => return Err(TokenizerError::UnsupportedPre(other.to_string())),
         };
 
@@ -462,10 +424,15 @@ impl Tokenizer {
             piece_off.push(pieces.len());
         }
 
-        let hf = build_hf(pre, vocab, merges)?;
+        let bpe = build_bpe(vocab, merges)?;
+        let mut b2u = ['\0'; 256];
+        for (c, b) in u2b {
+            b2u[b as usize] = c;
+        }
         Ok(Tokenizer {
-            hf,
+            bpe,
             pre,
+            b2u,
             texts,
             text_off,
             pieces,
@@ -499,22 +466,56 @@ impl Tokenizer {
         for fragment in self.partition(text, parse_special) {
             match fragment {
                 Fragment::Token(id) => out.push(id),
-                Fragment::Text(s) => {
-                    let enc =
-                        self.hf
-                            .encode_fast(s, false)
-                            .map_err(|e| TokenizerError::Tokenizers {
-                                context: "encoding",
-                                message: e.to_string(),
-                            })?;
-                    out.extend_from_slice(enc.get_ids());
-                }
+                Fragment::Text(s) => self.encode_text(s, &mut out)?,
             }
         }
         if add_special && self.add_eos {
             out.extend(self.eos);
         }
         Ok(out)
+    }
+
+    /// Byte-level BPE over the pre-tokens of one text fragment.
+    fn encode_text(&self, s: &str, out: &mut Vec<u32>) -> Result<(), TokenizerError> {
+        let mut at = 0;
+        let mut word = String::new();
+        for r in split::split(s, self.pre) {
+            if r.start != at || r.end <= r.start {
+                return Err(TokenizerError::SplitIncomplete { at, len: s.len() });
+            }
+            at = r.end;
+            word.clear();
+            word.extend(
+                s.as_bytes()[r.clone()]
+                    .iter()
+                    .map(|&b| self.b2u[b as usize]),
+            );
+            let toks = self
+                .bpe
+                .tokenize(&word)
+                .map_err(|e| TokenizerError::Tokenizers {
+                    context: "encoding",
+                    message: e.to_string(),
+                })?;
+            // The BPE drops a symbol it has no token for: the tokens must tile the word.
+            let mut end = 0;
+            for t in &toks {
+                if t.offsets.0 != end {
+                    break;
+                }
+                end = t.offsets.1;
+            }
+            if end != word.len() {
+                return Err(TokenizerError::Untokenizable {
+                    piece: s[r].to_string(),
+                });
+            }
+            out.extend(toks.iter().map(|t| t.id));
+        }
+        if at != s.len() {
+            return Err(TokenizerError::SplitIncomplete { at, len: s.len() });
+        }
+        Ok(())
     }
 
     /// Concatenated bytes of the pieces (special tokens rendered as their text unless
@@ -580,7 +581,7 @@ impl Tokenizer {
 
     /// The id of a raw vocabulary string (the inverse of [`Tokenizer::token_piece`]).
     pub fn token_id(&self, text: &str) -> Option<u32> {
-        self.hf.get_model().token_to_id(text)
+        self.bpe.token_to_id(text)
     }
 
     /// Splits out special tokens as llama.cpp's `tokenizer_st_partition`: for each special
@@ -708,36 +709,14 @@ fn parse_merges(g: &Gguf, vocab: &Vocab) -> Result<Vec<(String, String)>, Tokeni
     Ok(merges)
 }
 
-fn build_hf(
-    pre: PreType,
-    vocab: Vocab,
-    merges: Vec<(String, String)>,
-) -> Result<tokenizers::Tokenizer, TokenizerError> {
-    let fail = |context| {
-        move |e: tokenizers::Error| TokenizerError::Tokenizers {
-            context,
-            message: e.to_string(),
-        }
-    };
-    let bpe = BPE::builder()
+fn build_bpe(vocab: Vocab, merges: Vec<(String, String)>) -> Result<BPE, TokenizerError> {
+    BPE::builder()
         .vocab_and_merges(vocab, merges)
         .build()
-        .map_err(fail("building the BPE model"))?;
-    let split = Split::new(
-        SplitPattern::Regex(pre_regex(pre)),
-        SplitDelimiterBehavior::Isolated,
-        false,
-    )
-    .map_err(fail("compiling the pre-tokenizer regex"))?;
-    // The regex did the splitting; ByteLevel only maps bytes to GPT-2's printable symbols.
-    let byte_level = ByteLevel::new(false, false, false);
-    let seq = Sequence::new(vec![
-        PreTokenizerWrapper::Split(split),
-        PreTokenizerWrapper::ByteLevel(byte_level),
-    ]);
-    let mut hf = tokenizers::Tokenizer::new(ModelWrapper::BPE(bpe));
-    hf.with_pre_tokenizer(Some(PreTokenizerWrapper::Sequence(seq)));
-    Ok(hf)
+        .map_err(|e| TokenizerError::Tokenizers {
+            context: "building the BPE model",
+            message: e.to_string(),
+        })
 }
 
 /// GPT-2's `bytes_to_unicode`, inverted: printable Latin-1 bytes stand for themselves, the
@@ -919,22 +898,11 @@ mod tests {
         open(&writer(&test_vocab(), pre)).expect("test vocabulary loads")
     }
 
-    /// The pre-tokens of the `tokenizers` pipeline, byte-level decoded back to text.
+    /// The pre-tokens of `text` under `t`'s split.
     fn pre_tokens(t: &Tokenizer, text: &str) -> Vec<String> {
-        use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
-        let mut pts = PreTokenizedString::from(text);
-        t.hf.get_pre_tokenizer()
-            .unwrap()
-            .pre_tokenize(&mut pts)
-            .unwrap();
-        let u2b = unicode_to_byte();
-        pts.get_splits(OffsetReferential::Original, OffsetType::Byte)
+        split::split(text, t.pre)
             .into_iter()
-            .map(|(s, _, _)| {
-                let mut bytes = Vec::new();
-                byte_level_decode(s, &u2b, &mut bytes);
-                String::from_utf8(bytes).unwrap()
-            })
+            .map(|r| text[r].to_string())
             .collect()
     }
 
@@ -972,8 +940,8 @@ mod tests {
             .collect()
     }
 
-    /// Character classes for the reference splitter, from the same Unicode tables as the
-    /// regex under test (`tokenizers` re-exports its regex engine).
+    /// Character classes for the reference splitter, from the regex engine the `tokenizers`
+    /// crate re-exports (a second reading of the Unicode tables, beside `split`'s own).
     struct Classes {
         letter: tokenizers::utils::SysRegex,
         mark: tokenizers::utils::SysRegex,
@@ -994,7 +962,8 @@ mod tests {
         fn new() -> Classes {
             // The classes the pre-tokenizer uses: minus Unicode 16 additions, as llama.cpp.
             let re = |c: &str| {
-                tokenizers::utils::SysRegex::new(&format!("[{c}--[{UNICODE16_LMN}]]")).unwrap()
+                tokenizers::utils::SysRegex::new(&format!("[{c}--[{}]]", split::UNICODE16_LMN))
+                    .unwrap()
             };
             Classes {
                 letter: re(r"\p{L}"),
@@ -1221,23 +1190,25 @@ mod tests {
     }
 
     #[test]
-    fn pre_regex_is_llama_cpp_expression_minus_unicode16() {
-        for (pre, llama) in [
-            (PreType::Qwen35, QWEN35_REGEX),
-            (PreType::Qwen2, QWEN2_REGEX),
+    fn class_table_leaves_unicode16_unassigned() {
+        let t = split::class_table();
+        assert_eq!(t.len(), 0x11_0000);
+        // letter | number << 1 | mark << 2 | whitespace << 3
+        for (c, want) in [
+            ('a', 1),
+            ('\u{4f60}', 1),
+            ('7', 2),
+            ('\u{663}', 2),
+            ('\u{301}', 4),
+            (' ', 8),
+            ('\u{3000}', 8),
+            ('\u{85}', 8),
+            ('!', 0),
+            ('\u{A7DC}', 0),
+            ('\u{13460}', 0),
+            ('\u{16130}', 0),
         ] {
-            let re = pre_regex(pre);
-            let minus = format!("--[{UNICODE16_LMN}]");
-            assert_eq!(
-                re.matches(&minus).count(),
-                4,
-                "{pre:?}: every L/M/N class is patched"
-            );
-            let back = re
-                .replace(&minus, "")
-                .replace(r"|[\p{N}]|", r"|\p{N}|")
-                .replace(r"?[\p{L}]+", r"?\p{L}+");
-            assert_eq!(back, llama, "{pre:?}");
+            assert_eq!(t[c as usize], want, "U+{:04X}", c as u32);
         }
     }
 
@@ -1270,8 +1241,9 @@ mod tests {
         roundtrip(&q2, "cafe\u{301} مَرْحَبًا");
     }
 
-    /// The regex pipeline against a port of llama.cpp's hand-written splitter, on strings
-    /// drawn from a palette of the characters the rules distinguish.
+    /// `split` against a second port of llama.cpp's hand-written splitter classifying through
+    /// the regex engine, on strings drawn from a palette of the characters the rules
+    /// distinguish.
     #[test]
     fn pre_tokens_agree_with_llama_cpp_splitter() {
         let palette: Vec<char> = " \t\n\r\u{a0}\u{3000}\u{2028}aZsStTlLeErRvVdDmM'\u{2019}1٣Ⅻ½\u{301}\u{64e}é你!,.-_$😀\u{1f3fd}\u{200d}"
@@ -1514,13 +1486,25 @@ mod tests {
 
     #[test]
     fn long_runs_are_split_like_short_ones() {
-        // fancy-regex gives up silently past its backtracking limits, which would leave the
-        // rest of the input as one pre-token; check the expressions stay far from them.
+        // A backtracking regex gives up past its stack limit (the old pipeline left the rest of
+        // a ~10^6-space run as one unsplit chunk); the scan has no such limit.
         let t = tok("qwen35");
-        let spaces = format!("{}x", " ".repeat(200_000));
+        let spaces = format!("{}x", " ".repeat(1_000_000));
         assert_eq!(
             pre_tokens(&t, &spaces),
-            [" ".repeat(199_999), " x".to_string()]
+            [" ".repeat(999_999), " x".to_string()]
+        );
+        let ids = t.encode(&spaces, false, false).unwrap();
+        assert_eq!(t.decode(&ids, false).unwrap(), spaces);
+        let tabs = format!("a{}\n\n{}b", "\t ".repeat(300_000), " ".repeat(300_000));
+        assert_eq!(
+            pre_tokens(&t, &tabs),
+            [
+                "a".to_string(),
+                format!("{}\n\n", "\t ".repeat(300_000)),
+                " ".repeat(299_999),
+                " b".to_string()
+            ]
         );
         let letters = format!("{} {}", "a".repeat(200_000), "b".repeat(3));
         assert_eq!(
@@ -1531,6 +1515,22 @@ mod tests {
         // It | 's | " " | 4 | 2 | " days" | , | " isn" | 't | " it" | ?\n
         assert_eq!(pre_tokens(&t, &mixed).len(), 5_000 * 11);
         roundtrip(&t, &mixed);
+    }
+
+    #[test]
+    fn a_byte_without_a_symbol_is_an_error_not_dropped() {
+        // The BPE skips a symbol it has no token for; the encoding must not come back short.
+        let mut v = test_vocab();
+        let b2u = byte_to_unicode();
+        let gone = b2u[b'~' as usize].to_string();
+        let at = v.tokens.iter().position(|t| *t == gone).unwrap();
+        v.tokens[at] = "<unreachable>".into();
+        v.merges
+            .retain(|(a, b)| *a != gone && *b != gone && !a.contains('~') && !b.contains('~'));
+        let t = open(&writer(&v, "qwen35")).unwrap();
+        assert!(t.encode("ab", false, false).is_ok());
+        let e = t.encode("a~b", false, false).unwrap_err().to_string();
+        assert!(e.contains("\"~b\"") && e.contains("no token"), "{e}");
     }
 
     #[test]

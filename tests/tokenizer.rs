@@ -135,3 +135,40 @@ fn golden_tokens_match_llama_cpp() {
         model.display()
     );
 }
+
+/// The pre-tokenizer split against llama.cpp's own `unicode.cpp`: its code point classes over
+/// the whole code space (a digest) and its cuts of random strings, both qwen35 and qwen2
+/// (`fixtures/golden/split.json`, written by `cargo xtask tokcheck split --write`).
+#[test]
+fn split_and_classes_match_llama_cpp() {
+    use sha2::{Digest, Sha256};
+    use tern::tokenizer::split::{class_table, split, Flavor};
+    let path = root().join("fixtures/golden/split.json");
+    let raw = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let json: Value = serde_json::from_str(&raw).unwrap();
+    let digest: String = Sha256::digest(class_table())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(
+        json["classes_sha256"].as_str(),
+        Some(digest.as_str()),
+        "the code point classes differ from llama.cpp's"
+    );
+    let cases = json["cases"].as_array().expect("cases");
+    assert!(cases.len() > 1000);
+    let lens = |v: &Value| -> Vec<usize> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as usize)
+            .collect()
+    };
+    for c in cases {
+        let text = c["text"].as_str().unwrap();
+        for (flavor, key) in [(Flavor::Qwen35, "qwen35"), (Flavor::Qwen2, "qwen2")] {
+            let got: Vec<usize> = split(text, flavor).into_iter().map(|r| r.len()).collect();
+            assert_eq!(got, lens(&c[key]), "{key} split of {text:?}");
+        }
+    }
+}

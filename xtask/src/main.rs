@@ -7,6 +7,7 @@ mod gpu_kit;
 mod llama_flags;
 mod quality;
 mod rng;
+mod tokcheck;
 mod train_demo;
 mod vocab;
 
@@ -37,6 +38,14 @@ const USAGE: &str = "usage: cargo xtask <task>
                         the options stock llama-server accepts, read from llama.cpp's
                         common/arg.cpp (default: $TERN_LLAMA_CPP/common/arg.cpp), written to
                         fixtures/llama-server-flags.json for tests/flags.rs
+  tokcheck split [--cases N] [--seed S] [--write]
+                        the pre-tokenizer split and code point classes against llama.cpp's
+                        unicode.cpp (TERN_LLAMA_SRC: a llama.cpp source tree; needs c++);
+                        --write records fixtures/golden/split.json
+  tokcheck ids [--random N] [--seed S] [--write] [VOCAB.gguf...]
+                        token ids against llama-cpp-python (TERN_PYTHON) on hard texts and
+                        random strings (default vocabularies: the fixture and demo models);
+                        --write records fixtures/golden/tokens_hard.json
   train-demo [--no-train] [--steps N] [--no-llama] [--work DIR]
                         train the bundled demo model (PyTorch: TERN_TRAIN_PYTHON, default
                         python3, with torch, tokenizers, gguf, matplotlib), write
@@ -215,6 +224,42 @@ fn main() -> Result<()> {
                 quality::bench(&root, chunks)
             } else {
                 quality::demo(&root)
+            }
+        }
+        Some("tokcheck") => {
+            let root = workspace_root();
+            let mut cases = 20_000usize;
+            let mut seed = 0x746f_6b63_6865_636bu64;
+            let mut write = false;
+            let mut files = Vec::new();
+            let mut it = args.iter().skip(2);
+            while let Some(a) = it.next() {
+                let mut num = |flag: &str| -> Result<u64> {
+                    match it.next().map(|s| s.parse::<u64>()) {
+                        Some(Ok(n)) => Ok(n),
+                        _ => bail!("{flag} needs a number\n{USAGE}"),
+                    }
+                };
+                match a.as_str() {
+                    "--cases" | "--random" => cases = num(a)? as usize,
+                    "--seed" => seed = num(a)?,
+                    "--write" => write = true,
+                    f if !f.starts_with("--") => files.push(PathBuf::from(f)),
+                    other => bail!("unknown option {other}\n{USAGE}"),
+                }
+            }
+            match args.get(1).map(String::as_str) {
+                Some("split") => tokcheck::split_check(&root, cases, seed, write),
+                Some("ids") => {
+                    if files.is_empty() {
+                        files = vec![
+                            root.join("fixtures/tiny-f32.gguf"),
+                            root.join("fixtures/demo/demo-q8_0.gguf"),
+                        ];
+                    }
+                    tokcheck::ids_check(&root, &python(), &files, cases, seed, write)
+                }
+                _ => bail!("tokcheck needs split or ids\n{USAGE}"),
             }
         }
         Some("llama-flags") => {
