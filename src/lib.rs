@@ -10,6 +10,7 @@ pub mod chat;
 pub mod cli;
 pub mod config;
 pub mod eval;
+pub mod fuzz;
 pub mod gguf;
 pub mod model;
 pub mod npy;

@@ -201,7 +201,7 @@ fn logits_rows<B: Backend>(
     mode: LogitsMode,
 ) -> Result<Vec<f32>> {
     let mut st = m.new_state(be);
-    Ok(match mode {
+    let rows = match mode {
         LogitsMode::Prefill => be.to_host(&m.forward(be, &mut st, tokens, true)?.logits),
         LogitsMode::Decode => {
             let mut rows = Vec::with_capacity(tokens.len() * m.cfg.n_vocab);
@@ -210,7 +210,10 @@ fn logits_rows<B: Backend>(
             }
             rows
         }
-    })
+    };
+    // Non-finite logits are a broken model, not output.
+    tern::runtime::sampler::check_logits(&rows, m.cfg.n_vocab)?;
+    Ok(rows)
 }
 
 fn inspect(file: Arc<Gguf>, all_tensors: bool) -> Result<()> {

@@ -197,3 +197,284 @@ fn bad_token_ids_are_errors() {
         Ok(_) => panic!("out-of-vocabulary id accepted"),
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The reproducers of issue #17: each was accepted (or took the process down) before the one
+// validation pass; each is now refused, before anything is allocated for the model, with an
+// error that names the key or tensor.
+// ---------------------------------------------------------------------------------------------
+
+/// The fixture with `key` set (replaced in place, or added).
+fn set_key(f: &Gguf, key: &'static str, nv: Value) -> Gguf {
+    rewrite(
+        f,
+        |_, v| Some(v.clone()),
+        move |w| {
+            w.set(key, nv);
+        },
+    )
+}
+
+/// The config and the planner (which prices before loading) both refuse, and so does loading.
+fn refused_everywhere(g: Gguf) -> String {
+    let g = Arc::new(g);
+    let e = Config::from_gguf(&g)
+        .expect_err("config accepted")
+        .to_string();
+    let p = tern::plan::Ledger::price(&g, &tern::plan::Shape::default())
+        .expect_err("planner accepted")
+        .to_string();
+    assert!(p.contains(&e) || !p.is_empty(), "planner: {p}");
+    let l = match Model::load(&CpuBackend::new(), g) {
+        Ok(_) => panic!("load accepted"),
+        Err(e) => e.to_string(),
+    };
+    assert_eq!(l, e);
+    e
+}
+
+#[test]
+fn huge_block_count_is_refused_before_allocation() {
+    let f = fixture("tiny-f32.gguf");
+    for v in [
+        Value::U32(1 << 31),
+        Value::U32(u32::MAX),
+        Value::U64(1 << 40),
+        Value::U64(u64::MAX),
+        Value::I64(-1),
+        Value::U32(513),
+    ] {
+        let e = refused_everywhere(set_key(&f, "qwen35.block_count", v.clone()));
+        assert!(e.contains("qwen35.block_count"), "{v:?}: {e}");
+    }
+    // Within llama.cpp's 512 but more layers than the table has tensors for.
+    let e = refused_everywhere(set_key(&f, "qwen35.block_count", Value::U32(500)));
+    assert!(
+        e.contains("qwen35.block_count") && e.contains("tensors"),
+        "{e}"
+    );
+}
+
+#[test]
+fn non_finite_or_non_positive_floats_are_refused() {
+    let f = fixture("tiny-f32.gguf");
+    let eps = "qwen35.attention.layer_norm_rms_epsilon";
+    for v in [f32::NAN, -1e-6, 0.0, f32::INFINITY, 2.0] {
+        let e = refused_everywhere(set_key(&f, eps, Value::F32(v)));
+        assert!(e.contains(eps), "eps {v}: {e}");
+    }
+    for v in [0.0, -10000.0, f32::NAN, f32::NEG_INFINITY] {
+        let e = refused_everywhere(set_key(&f, "qwen35.rope.freq_base", Value::F32(v)));
+        assert!(e.contains("qwen35.rope.freq_base"), "rope base {v}: {e}");
+    }
+    // A f64 that overflows f32 is infinite once narrowed, as it is used.
+    let e = refused_everywhere(set_key(&f, "qwen35.rope.freq_base", Value::F64(1e300)));
+    assert!(e.contains("rope.freq_base"), "{e}");
+}
+
+#[test]
+fn counts_and_products_are_range_checked() {
+    let f = fixture("tiny-f32.gguf");
+    for (key, v, want) in [
+        ("qwen35.context_length", Value::U32(0), "at least 1"),
+        ("qwen35.attention.head_count", Value::U32(0), "at least 1"),
+        (
+            "qwen35.attention.head_count_kv",
+            Value::U64(1 << 33),
+            "out of range",
+        ),
+        ("qwen35.attention.key_length", Value::U32(0), "at least 1"),
+        ("qwen35.ssm.state_size", Value::U32(1 << 31), "overflows"),
+        ("qwen35.embedding_length", Value::I32(-4), "negative"),
+        (
+            "qwen35.full_attention_interval",
+            Value::U32(0),
+            "at least 1",
+        ),
+        ("qwen35.ssm.conv_kernel", Value::U32(1), "at least 2"),
+    ] {
+        let e = refused_everywhere(set_key(&f, key, v.clone()));
+        let short = key.rsplit('.').next().unwrap();
+        assert!(e.contains(short) && e.contains(want), "{key} = {v:?}: {e}");
+    }
+    for (v, want) in [
+        (Value::i32_array(&[8, 8]), "2 entries, expected 4"),
+        (Value::i32_array(&[8, -1, 0, 0]), "entry 1 = -1"),
+        (
+            Value::Array(tern::gguf::ValueType::String, vec![]),
+            "0 entries",
+        ),
+    ] {
+        let e = refused_everywhere(set_key(&f, "qwen35.rope.dimension_sections", v));
+        assert!(
+            e.contains("rope.dimension_sections") && e.contains(want),
+            "{e}"
+        );
+    }
+    // llama.cpp's get_key_or_arr: one entry per block, or a scalar for all.
+    let e = refused_everywhere(set_key(
+        &f,
+        "qwen35.attention.recurrent_layers",
+        Value::Array(tern::gguf::ValueType::Bool, vec![Value::Bool(true); 3]),
+    ));
+    assert!(
+        e.contains("recurrent_layers") && e.contains("3 entries"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_table_larger_than_the_header_is_refused() {
+    // block_count 5 of the file's 9 (8 trunk + MTP): the extra layers used to be ignored.
+    let f = fixture("tiny-f32.gguf");
+    let e = refused_everywhere(set_key(&f, "qwen35.block_count", Value::U32(5)));
+    assert!(e.contains("tensor \"blk.4."), "{e}");
+    let g = rewrite(
+        &f,
+        |k, v| {
+            Some(match k {
+                "qwen35.block_count" => Value::U32(8),
+                "qwen35.nextn_predict_layers" => Value::U32(0),
+                _ => v.clone(),
+            })
+        },
+        |_| {},
+    );
+    let e = refused_everywhere(g);
+    assert!(
+        e.contains("tensor \"blk.8.") && e.contains("block_count = 8"),
+        "{e}"
+    );
+}
+
+#[test]
+fn an_extra_unknown_tensor_is_refused() {
+    let f = fixture("tiny-q8_0.gguf");
+    let g = rewrite(
+        &f,
+        |_, v| Some(v.clone()),
+        |w| {
+            w.add_f32("rope_freqs.weight", &[16], &[1.0; 16]);
+        },
+    );
+    let e = refused_everywhere(g);
+    assert!(
+        e.contains("tensor \"rope_freqs.weight\"") && e.contains("not a tensor of the qwen35"),
+        "{e}"
+    );
+    let g = rewrite(
+        &f,
+        |_, v| Some(v.clone()),
+        |w| {
+            w.add_f32("blk.2.attn_q_norm.weight", &[32], &[1.0; 32]);
+        },
+    );
+    let e = refused_everywhere(g);
+    assert!(
+        e.contains("blk.2.attn_q_norm.weight") && e.contains("Gated DeltaNet"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_tensor_type_without_kernels_is_refused_at_validation() {
+    let f = fixture("tiny-q8_0.gguf");
+    let mut w = GgufWriter::new();
+    for (k, v) in f.metadata() {
+        w.set(k, v.clone());
+    }
+    for t in f.tensors() {
+        if t.name == "blk.0.ffn_up.weight" {
+            // The same bytes count under Q8_1's 36-byte blocks as a different table; use a
+            // type of Q8_0's own size that tern has no kernel for: IQ4_NL (32 per 18 B) needs
+            // different bytes, so write zeros of the right size.
+            let rows = t.n_rows();
+            let bytes = tern::tensor::GgmlType::Q4_1.row_bytes(t.ne0()).unwrap() * rows;
+            w.add_tensor(
+                &t.name,
+                &t.dims,
+                tern::tensor::GgmlType::Q4_1,
+                vec![0; bytes as usize],
+            );
+        } else {
+            w.add_tensor(&t.name, &t.dims, t.ty, f.tensor_data(t).to_vec());
+        }
+    }
+    let e = refused_everywhere(Gguf::from_bytes("m.gguf", w.to_bytes()).unwrap());
+    assert!(
+        e.contains("blk.0.ffn_up.weight") && e.contains("Q4_1"),
+        "{e}"
+    );
+}
+
+#[test]
+fn an_empty_fold_beside_ternary_tensors_is_refused() {
+    let f = fixture("tiny-pq2_0.gguf");
+    let e = refused_everywhere(set_key(
+        &f,
+        "prism.hadamard.weight_names",
+        Value::Array(tern::gguf::ValueType::String, vec![]),
+    ));
+    assert!(
+        e.contains("prism.hadamard.weight_names") && e.contains("PQ2_0"),
+        "{e}"
+    );
+    // A fold that claims the output is tied while the file has its own output.weight.
+    let e = refused_everywhere(set_key(&f, "prism.hadamard.tied_output", Value::Bool(true)));
+    assert!(e.contains("tied_output"), "{e}");
+}
+
+#[test]
+fn overlapping_tensor_data_is_refused() {
+    // The second tensor of the table pointed at the first one's bytes.
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-q8_0.gguf");
+    let mut bytes = std::fs::read(path).unwrap();
+    let g = Gguf::from_bytes("f", bytes.clone()).unwrap();
+    let (a, b) = (&g.tensors()[0], &g.tensors()[1]);
+    let l = tern::fuzz::gguf::layout(&bytes).unwrap();
+    let at = l.find(tern::fuzz::gguf::Kind::Offset, &b.name).unwrap().at;
+    bytes[at..at + 8].copy_from_slice(&a.offset.to_le_bytes());
+    let e = match Gguf::from_bytes("overlap.gguf", bytes) {
+        Ok(_) => panic!("overlapping data parsed"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        e.contains(&format!("tensor {:?}", b.name))
+            && e.contains(&format!("overlaps the data of tensor {:?}", a.name)),
+        "{e}"
+    );
+}
+
+/// A weight poisoned with NaN used to give all-NaN logits (and `generate` printed token 0 over
+/// and over); the sampling step refuses a non-finite row instead.
+#[test]
+fn non_finite_logits_are_an_error_not_output() {
+    use tern::runtime::sampler::{Sampler, SamplerConfig};
+    use tern::runtime::speculative::Generator;
+    let f = fixture("tiny-f32.gguf");
+    let mut w = GgufWriter::new();
+    for (k, v) in f.metadata() {
+        w.set(k, v.clone());
+    }
+    for t in f.tensors() {
+        let mut data = f.tensor_data(t).to_vec();
+        if t.name == "output_norm.weight" {
+            data[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+        }
+        w.add_tensor(&t.name, &t.dims, t.ty, data);
+    }
+    let g = Arc::new(Gguf::from_bytes("nan.gguf", w.to_bytes()).unwrap());
+    let be = CpuBackend::new();
+    let m = Model::load(&be, g).unwrap();
+    for sampler in [SamplerConfig::greedy(), SamplerConfig::default()] {
+        let mut gen =
+            Generator::new(&m, &be, m.new_state(&be), Sampler::new(sampler), None).unwrap();
+        match gen.prefill(&[5, 17, 200]) {
+            Err(ModelError::NonFiniteLogits { row: 0, .. }) => {}
+            Err(e) => panic!("wrong error {e}"),
+            Ok(id) => panic!("sampled {id} from non-finite logits"),
+        }
+    }
+    assert!(tern::runtime::sampler::check_logits(&[0.0, f32::NAN], 2).is_err());
+    assert!(tern::runtime::sampler::check_logits(&[0.0, -1.0, 3.0, 1e30], 2).is_ok());
+}

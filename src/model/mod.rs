@@ -46,6 +46,12 @@ pub enum ModelError {
     BadToken { id: u32, n_vocab: usize },
     #[error("position {pos} exceeds the context of {n_ctx}")]
     ContextFull { pos: usize, n_ctx: usize },
+    #[error("the forward pass produced a non-finite logit (row {row}, token {token}: {value}); refusing to sample from it (broken weights or metadata)")]
+    NonFiniteLogits {
+        row: usize,
+        token: usize,
+        value: f32,
+    },
     #[error("this model has no MTP block (nextn_predict_layers = 0)")]
     NoMtp,
 }

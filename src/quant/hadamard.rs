@@ -179,7 +179,7 @@ pub enum HadamardError {
     MissingSignWidth { name: String, width: u64 },
     #[error("prism.hadamard.inverse_weight_names: {0:?} is not allowed (only {INVERSE_NAME:?} is un-rotated after lookup)")]
     BadInverseName(String),
-    #[error("prism.hadamard.weight_names and inverse_weight_names name no tensor, but tensor {name:?} is {ty}: ternary weights are stored folded and would be used without their transform")]
+    #[error("prism.hadamard.weight_names is empty, but tensor {name:?} is {ty}: ternary weights are stored folded and would be used without their transform")]
     NothingFolded { name: String, ty: GgmlType },
     #[error("prism.hadamard.tied_output is true but the file has its own output.weight")]
     TiedOutputWithOutput,
@@ -300,8 +300,12 @@ impl HadamardConfig {
 
         // A fold that names nothing beside ternary weights: PrismML's ternary tensors are
         // stored folded, so they would be multiplied without their transform.
-        if folded.is_empty() && inverse.is_empty() {
-            if let Some(t) = g.tensors().iter().find(|t| is_ternary(t.ty)) {
+        if folded.is_empty() {
+            if let Some(t) = g
+                .tensors()
+                .iter()
+                .find(|t| is_ternary(t.ty) && !inverse.contains(&t.name))
+            {
                 return Err(HadamardError::NothingFolded {
                     name: t.name.clone(),
                     ty: t.ty,

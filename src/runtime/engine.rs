@@ -1023,12 +1023,18 @@ impl<B: Backend> Worker<B> {
                     prompt_only.push(i);
                     continue;
                 }
-                let id = s.dec.sample_row(&self.be, &out.logits, 0, 1);
+                let id = s
+                    .dec
+                    .sample_row(&self.be, &out.logits, 0, 1)
+                    .map_err(model_err)?;
                 s.dec.last = Some(id);
                 emitted.push((i, vec![id]));
             } else {
                 let s = &mut self.slots[i];
-                let v = s.dec.finish_verify(&self.be, &out, toks, *rows);
+                let v = s
+                    .dec
+                    .finish_verify(&self.be, &out, toks, *rows)
+                    .map_err(model_err)?;
                 // Rejected rows were rolled back from the rollback cells; the kept rows' h
                 // feeds the MTP head.
                 let kept = &toks[..v.kept];

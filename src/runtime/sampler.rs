@@ -243,6 +243,24 @@ impl Sampler {
     }
 }
 
+/// The first non-finite value of a logits row: a forward pass that produced one is broken, and
+/// its row must not be sampled (an argmax over NaN quietly picks token 0).
+pub fn non_finite(row: &[f32]) -> Option<(usize, f32)> {
+    row.iter().position(|v| !v.is_finite()).map(|i| (i, row[i]))
+}
+
+/// Every row of `[n_rows, n_vocab]` logits finite, or the first offender as an error.
+pub fn check_logits(logits: &[f32], n_vocab: usize) -> Result<(), crate::model::ModelError> {
+    match non_finite(logits) {
+        None => Ok(()),
+        Some((i, value)) => Err(crate::model::ModelError::NonFiniteLogits {
+            row: i / n_vocab.max(1),
+            token: i % n_vocab.max(1),
+            value,
+        }),
+    }
+}
+
 /// Index of the largest value; ties go to the lowest index.
 pub fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;

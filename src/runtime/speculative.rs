@@ -9,7 +9,7 @@
 use crate::backend::{Backend, KvTypes};
 use crate::model::{BatchItem, Model, ModelError, MtpState, Output, SeqState};
 
-use super::sampler::{argmax, probability, Sampler};
+use super::sampler::{argmax, non_finite, probability, Sampler};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SpecConfig {
@@ -123,21 +123,41 @@ impl<B: Backend> SlotDecoder<B> {
         self.mtp.is_some()
     }
 
-    pub fn sample_row(&mut self, be: &B, logits: &B::T, row: usize, n_rows: usize) -> u32 {
-        let id = if let Some(forced) = self.sampler.forced() {
-            forced
-        } else if self.sampler.is_greedy() {
+    /// Samples one row, refusing a row with a non-finite logit. A row that comes to the host
+    /// anyway (sampling, or the CPU backend, where it is already there) is checked whole; on a
+    /// device, greedy decoding reads back only the id, so there the first row of each request
+    /// is read back for the check (a model that yields NaN does so from its first token).
+    pub fn sample_row(
+        &mut self,
+        be: &B,
+        logits: &B::T,
+        row: usize,
+        n_rows: usize,
+    ) -> Result<u32, ModelError> {
+        let one = |be: &B| {
             if n_rows == 1 {
-                be.argmax_rows(logits)[0]
+                None
             } else {
-                be.argmax_rows(&be.rows(logits, row, 1))[0]
+                Some(be.rows(logits, row, 1))
             }
-        } else {
-            let host = be.to_host(&be.rows(logits, row, 1));
-            self.sampler.sample(&host)
+        };
+        let picked = one(be);
+        let t = picked.as_ref().unwrap_or(logits);
+        let greedy = self.sampler.is_greedy();
+        let host = (!greedy || be.name() == "cpu" || self.last.is_none()).then(|| be.to_host(t));
+        if let Some(h) = &host {
+            if let Some((token, value)) = non_finite(h) {
+                return Err(ModelError::NonFiniteLogits { row, token, value });
+            }
+        }
+        // A token the reasoning budget forces still comes from a checked row.
+        let id = match (self.sampler.forced(), &host, greedy) {
+            (Some(forced), _, _) => forced,
+            (None, Some(h), false) => self.sampler.sample(h),
+            _ => be.argmax_rows(t)[0],
         };
         self.sampler.accept(id);
-        id
+        Ok(id)
     }
 
     /// Fills the MTP cache over tokens just accepted by the trunk: row k reads token k and the
@@ -187,6 +207,10 @@ impl<B: Backend> SlotDecoder<B> {
             // Only a p_min test needs the row on the host; otherwise read back the id alone.
             let d = if spec.p_min > 0.0 {
                 let logits = be.to_host(&out.logits);
+                // A broken draft row drafts nothing; the trunk's own rows are checked.
+                if non_finite(&logits).is_some() {
+                    break;
+                }
                 let d = argmax(&logits);
                 if probability(&logits, d) < spec.p_min {
                     break;
@@ -231,13 +255,13 @@ impl<B: Backend> SlotDecoder<B> {
         out: &Output<B::T>,
         batch: &[u32],
         rows: bool,
-    ) -> Verified {
+    ) -> Result<Verified, ModelError> {
         let drafts = &batch[1..];
         let n_rows = if rows { batch.len() } else { 1 };
         let mut produced = Vec::new();
         let mut accepted = 0;
         for i in 0..batch.len() {
-            let t = self.sample_row(be, &out.logits, if rows { i } else { 0 }, n_rows);
+            let t = self.sample_row(be, &out.logits, if rows { i } else { 0 }, n_rows)?;
             produced.push(t);
             if i < drafts.len() && t == drafts[i] {
                 accepted += 1;
@@ -266,11 +290,11 @@ impl<B: Backend> SlotDecoder<B> {
             }
             self.seq.pos = end;
         }
-        Verified {
+        Ok(Verified {
             produced,
             accepted,
             kept,
-        }
+        })
     }
 }
 
@@ -327,7 +351,7 @@ impl<'a, B: Backend> Generator<'a, B> {
             .pop()
             .expect("one output");
         self.slot.mtp_process(self.model, self.be, prompt, &out.h)?;
-        let id = self.slot.sample_row(self.be, &out.logits, 0, 1);
+        let id = self.slot.sample_row(self.be, &out.logits, 0, 1)?;
         self.slot.last = Some(id);
         Ok(id)
     }
@@ -366,7 +390,7 @@ impl<'a, B: Backend> Generator<'a, B> {
             .forward_batch(self.be, &mut items)?
             .pop()
             .expect("one output");
-        let v = self.slot.finish_verify(self.be, &out, &batch, rows);
+        let v = self.slot.finish_verify(self.be, &out, &batch, rows)?;
         if self.slot.mtp.is_some() {
             let h = if v.kept < batch.len() {
                 self.be.rows(&out.h, 0, v.kept)

@@ -3,6 +3,7 @@
 mod bench;
 mod fixtures;
 mod fold;
+mod fuzz;
 mod gpu_kit;
 mod llama_flags;
 mod quality;
@@ -38,6 +39,14 @@ const USAGE: &str = "usage: cargo xtask <task>
                         the options stock llama-server accepts, read from llama.cpp's
                         common/arg.cpp (default: $TERN_LLAMA_CPP/common/arg.cpp), written to
                         fixtures/llama-server-flags.json for tests/flags.rs
+  fuzz [--seconds N | --cases N] [--target gguf|request|all] [--seed S] [--jobs J]
+       [--start I] [--mem-mib M] [--hang-s S] [--case I]
+                        the structure-aware fuzz suite (GGUF headers and tables; request JSON,
+                        chat-template inputs, tool-call text): cases per outcome (clean error,
+                        accepted-valid, panic, abort, hang, silent NaN), the time split over the
+                        targets; workers run under an address-space limit (default 4096 MiB)
+                        and a hang limit (default 20 s); --case I replays one case; failing
+                        inputs go to target/fuzz/
   tokcheck split [--cases N] [--seed S] [--write]
                         the pre-tokenizer split and code point classes against llama.cpp's
                         unicode.cpp (TERN_LLAMA_SRC: a llama.cpp source tree; needs c++);
@@ -190,41 +199,64 @@ fn main() -> Result<()> {
             }
             bench::run(&root, &o)
         }
-        Some("gpu-kit") => {
-            let root = workspace_root();
-            let mut out = root.join("target/gpu-kit");
-            let mut it = args[1..].iter();
-            while let Some(a) = it.next() {
-                match a.as_str() {
-                    "--out" => match it.next() {
-                        Some(d) => out = PathBuf::from(d),
-                        None => bail!("--out needs a directory\n{USAGE}"),
-                    },
-                    other => bail!("unknown option {other}\n{USAGE}"),
-                }
-            }
-            gpu_kit::run(&root, &out)
+        Some("fuzz-worker") => {
+            let target = match args.get(1).map(String::as_str) {
+                Some("gguf") => fuzz::Target::Gguf,
+                Some("request") => fuzz::Target::Request,
+                _ => bail!("fuzz-worker TARGET SEED FROM TO"),
+            };
+            let n = |i: usize| -> Result<u64> {
+                args.get(i)
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| anyhow::anyhow!("fuzz-worker TARGET SEED FROM TO"))
+            };
+            fuzz::worker(&workspace_root(), target, n(2)?, n(3)?, n(4)?)
         }
-        Some("quality") => {
-            let root = workspace_root();
-            let mut bench = false;
-            let mut chunks = 4;
+        Some("fuzz") => {
+            let mut o = fuzz::Options {
+                targets: vec![fuzz::Target::Gguf, fuzz::Target::Request],
+                seconds: None,
+                cases: None,
+                seed: fuzz::DEFAULT_SEED,
+                jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
+                mem_mib: 4096,
+                hang_s: 20,
+                start: 0,
+                one_case: None,
+            };
             let mut it = args[1..].iter();
             while let Some(a) = it.next() {
+                let mut num = |flag: &str| -> Result<u64> {
+                    let v = it
+                        .next()
+                        .ok_or_else(|| anyhow::anyhow!("{flag} needs a number"))?;
+                    let v = v.trim();
+                    let parsed = match v.strip_prefix("0x") {
+                        Some(h) => u64::from_str_radix(h, 16),
+                        None => v.parse(),
+                    };
+                    parsed.map_err(|_| anyhow::anyhow!("{flag} needs a number, not {v:?}\n{USAGE}"))
+                };
                 match a.as_str() {
-                    "--bench" => bench = true,
-                    "--chunks" => match it.next().map(|s| s.parse::<usize>()) {
-                        Some(Ok(n)) if n > 0 => chunks = n,
-                        _ => bail!("--chunks needs a positive number\n{USAGE}"),
+                    "--seconds" => o.seconds = Some(num(a)?),
+                    "--cases" => o.cases = Some(num(a)?),
+                    "--seed" => o.seed = num(a)?,
+                    "--jobs" => o.jobs = num(a)?.max(1) as usize,
+                    "--mem-mib" => o.mem_mib = num(a)?.max(256),
+                    "--hang-s" => o.hang_s = num(a)?.max(1),
+                    "--start" => o.start = num(a)?,
+                    "--case" => o.one_case = Some(num(a)?),
+                    "--target" => match it.next() {
+                        Some(t) => o.targets = fuzz::Target::parse_list(t)?,
+                        None => bail!("--target needs gguf, request or all"),
                     },
                     other => bail!("unknown option {other}\n{USAGE}"),
                 }
             }
-            if bench {
-                quality::bench(&root, chunks)
-            } else {
-                quality::demo(&root)
+            if o.seconds.is_none() && o.cases.is_none() && o.one_case.is_none() {
+                o.seconds = Some(60);
             }
+            fuzz::run(&workspace_root(), &o)
         }
         Some("tokcheck") => {
             let root = workspace_root();
@@ -260,6 +292,42 @@ fn main() -> Result<()> {
                     tokcheck::ids_check(&root, &python(), &files, cases, seed, write)
                 }
                 _ => bail!("tokcheck needs split or ids\n{USAGE}"),
+            }
+        }
+        Some("gpu-kit") => {
+            let root = workspace_root();
+            let mut out = root.join("target/gpu-kit");
+            let mut it = args[1..].iter();
+            while let Some(a) = it.next() {
+                match a.as_str() {
+                    "--out" => match it.next() {
+                        Some(d) => out = PathBuf::from(d),
+                        None => bail!("--out needs a directory\n{USAGE}"),
+                    },
+                    other => bail!("unknown option {other}\n{USAGE}"),
+                }
+            }
+            gpu_kit::run(&root, &out)
+        }
+        Some("quality") => {
+            let root = workspace_root();
+            let mut bench = false;
+            let mut chunks = 4;
+            let mut it = args[1..].iter();
+            while let Some(a) = it.next() {
+                match a.as_str() {
+                    "--bench" => bench = true,
+                    "--chunks" => match it.next().map(|s| s.parse::<usize>()) {
+                        Some(Ok(n)) if n > 0 => chunks = n,
+                        _ => bail!("--chunks needs a positive number\n{USAGE}"),
+                    },
+                    other => bail!("unknown option {other}\n{USAGE}"),
+                }
+            }
+            if bench {
+                quality::bench(&root, chunks)
+            } else {
+                quality::demo(&root)
             }
         }
         Some("llama-flags") => {
