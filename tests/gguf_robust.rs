@@ -252,3 +252,55 @@ fn legacy_type_42_is_detected_by_size() {
     let g = Gguf::from_bytes("u", w.to_bytes()).unwrap();
     assert_eq!(g.tensor("upstream").unwrap().ty, GgmlType::Q2_0);
 }
+
+/// Offsets follow ggml's layout: each tensor starts where the previous one ends, padded to the
+/// alignment. Data shared by two tensors, or a gap, is refused naming both tensors.
+#[test]
+fn tensor_data_must_be_laid_out_in_table_order() {
+    use tern::fuzz::gguf::{layout, Kind};
+    let good = every_type_file();
+    let g = Gguf::from_bytes("f", good.clone()).unwrap();
+    let l = layout(&good).expect("the header maps");
+    // The map finds every tensor's offset field where the reader read it.
+    for t in g.tensors() {
+        let f = l.find(Kind::Offset, &t.name).expect("offset field");
+        let v = u64::from_le_bytes(good[f.at..f.at + 8].try_into().unwrap());
+        assert_eq!(v, t.offset, "{}", t.name);
+    }
+    let set = |name: &str, off: u64| {
+        let mut b = good.clone();
+        let f = l.find(Kind::Offset, name).unwrap();
+        b[f.at..f.at + 8].copy_from_slice(&off.to_le_bytes());
+        b
+    };
+    let (a, b, c) = (
+        g.tensor("a").unwrap(),
+        g.tensor("b").unwrap(),
+        g.tensor("c").unwrap(),
+    );
+    match format_err(set("b", a.offset)) {
+        FormatError::UnexpectedOffset {
+            name,
+            offset,
+            expected,
+            previous,
+        } => {
+            assert_eq!((name.as_str(), offset, expected), ("b", 0, 32));
+            assert_eq!(previous.as_deref(), Some("a"));
+        }
+        e => panic!("{e:?}"),
+    }
+    let e = format_err(set("b", b.offset + 32)).to_string();
+    assert!(
+        e.contains("\"b\"") && e.contains("gap") && e.contains("\"a\""),
+        "{e}"
+    );
+    let e = format_err(set("c", b.offset)).to_string();
+    assert!(
+        e.contains("\"c\"") && e.contains("overlaps") && e.contains("\"b\""),
+        "{e}"
+    );
+    let e = format_err(set("a", 32)).to_string();
+    assert!(e.contains("\"a\"") && e.contains("does not start"), "{e}");
+    assert_eq!((b.offset, c.offset), (32, 96));
+}

@@ -242,7 +242,7 @@ fn main() -> Result<()> {
                     "--cases" => o.cases = Some(num(a)?),
                     "--seed" => o.seed = num(a)?,
                     "--jobs" => o.jobs = num(a)?.max(1) as usize,
-                    "--mem-mib" => o.mem_mib = num(a)?.max(256),
+                    "--mem-mib" => o.mem_mib = num(a)?.max(16),
                     "--hang-s" => o.hang_s = num(a)?.max(1),
                     "--start" => o.start = num(a)?,
                     "--case" => o.one_case = Some(num(a)?),
