@@ -172,3 +172,54 @@ fn split_and_classes_match_llama_cpp() {
         }
     }
 }
+
+/// Hard texts (runs of 10^6 spaces and newlines, long digit and letter runs, mixed scripts,
+/// contractions, combining marks) tokenized by stock llama.cpp on the fixture vocabulary
+/// (`fixtures/golden/tokens_hard.json`, written by `cargo xtask tokcheck ids --write`): each
+/// text is stored as its recipe and its ids as a count and a digest.
+#[test]
+fn hard_texts_match_llama_cpp() {
+    use sha2::{Digest, Sha256};
+    let path = root().join("fixtures/golden/tokens_hard.json");
+    let raw = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let json: Value = serde_json::from_str(&raw).unwrap();
+    let vocabs = json["vocabularies"].as_array().expect("vocabularies");
+    assert!(vocabs.len() >= 2);
+    let mut failures = Vec::new();
+    for v in vocabs {
+        let model = root().join(v["model"].as_str().expect("model"));
+        let tok = Tokenizer::from_gguf(&Gguf::open(&model).unwrap()).unwrap();
+        let cases = v["cases"].as_array().expect("cases");
+        assert!(cases.len() >= 20);
+        for c in cases {
+            let label = c["label"].as_str().unwrap();
+            let text: String = c["parts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| {
+                    p[0].as_str()
+                        .unwrap()
+                        .repeat(p[1].as_u64().unwrap() as usize)
+                })
+                .collect();
+            let ids = tok.encode(&text, false, true).unwrap();
+            let mut h = Sha256::new();
+            for i in &ids {
+                h.update(i.to_le_bytes());
+            }
+            let digest: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+            if ids.len() as u64 != c["n_ids"].as_u64().unwrap()
+                || c["ids_sha256"].as_str() != Some(&digest)
+            {
+                failures.push(format!(
+                    "{} {label}: llama.cpp {} ids, tern {}",
+                    model.display(),
+                    c["n_ids"],
+                    ids.len()
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -51,7 +51,7 @@ const USAGE: &str = "usage: cargo xtask <task>
                         the pre-tokenizer split and code point classes against llama.cpp's
                         unicode.cpp (TERN_LLAMA_SRC: a llama.cpp source tree; needs c++);
                         --write records fixtures/golden/split.json
-  tokcheck ids [--random N] [--seed S] [--write] [VOCAB.gguf...]
+  tokcheck ids [--random N] [--seed S] [--inp F.inp] [--write] [VOCAB.gguf...]
                         token ids against llama-cpp-python (TERN_PYTHON) on hard texts and
                         random strings (default vocabularies: the fixture and demo models);
                         --write records fixtures/golden/tokens_hard.json
@@ -264,6 +264,7 @@ fn main() -> Result<()> {
             let mut seed = 0x746f_6b63_6865_636bu64;
             let mut write = false;
             let mut files = Vec::new();
+            let mut extra = Vec::new();
             let mut it = args.iter().skip(2);
             while let Some(a) = it.next() {
                 let mut num = |flag: &str| -> Result<u64> {
@@ -276,6 +277,10 @@ fn main() -> Result<()> {
                     "--cases" | "--random" => cases = num(a)? as usize,
                     "--seed" => seed = num(a)?,
                     "--write" => write = true,
+                    "--inp" => match it.next() {
+                        Some(f) => extra.extend(tokcheck::inp_texts(std::path::Path::new(f))?),
+                        None => bail!("--inp needs a llama.cpp vocab test input file"),
+                    },
                     f if !f.starts_with("--") => files.push(PathBuf::from(f)),
                     other => bail!("unknown option {other}\n{USAGE}"),
                 }
@@ -289,7 +294,7 @@ fn main() -> Result<()> {
                             root.join("fixtures/demo/demo-q8_0.gguf"),
                         ];
                     }
-                    tokcheck::ids_check(&root, &python(), &files, cases, seed, write)
+                    tokcheck::ids_check(&root, &python(), &files, cases, seed, write, &extra)
                 }
                 _ => bail!("tokcheck needs split or ids\n{USAGE}"),
             }

@@ -324,6 +324,16 @@ fn ids_digest(ids: &[u32]) -> String {
     hex(&h.finalize())
 }
 
+/// The texts of a llama.cpp vocabulary test input (`models/ggml-vocab-*.gguf.inp`).
+pub fn inp_texts(path: &Path) -> Result<Vec<String>> {
+    let raw = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
+    Ok(raw
+        .split("\n__ggml_vocab_test__\n")
+        .map(str::to_string)
+        .filter(|t| !t.is_empty())
+        .collect())
+}
+
 pub fn ids_check(
     root: &Path,
     python: &str,
@@ -331,11 +341,20 @@ pub fn ids_check(
     random: usize,
     seed: u64,
     write: bool,
+    extra: &[String],
 ) -> Result<()> {
-    let hard = hard_texts();
+    let mut hard = hard_texts();
+    let n_recipes = hard.len();
+    for t in extra {
+        hard.push(Hard {
+            label: "--inp text",
+            parts: vec![(t.clone(), 1)],
+        });
+    }
     let mut rng = Rng::for_label(seed, "ids");
     let random_texts: Vec<String> = (0..random).map(|_| random_text(&mut rng, 60)).collect();
     let mut failed = false;
+    let mut golden: Vec<Value> = Vec::new();
     for vocab in vocabs {
         let g = Gguf::open(vocab)?;
         let tok = Tokenizer::from_gguf(&g).with_context(|| format!("{}", vocab.display()))?;
@@ -391,8 +410,13 @@ pub fn ids_check(
                 random,
             );
             failed |= bad_hard + bad_random > 0;
-            if write && special && vocab.ends_with("tiny-f32.gguf") {
-                let rows: Vec<Value> = hard
+            // The golden keeps the repo's own vocabularies (the tests can open them).
+            let rel = vocab
+                .strip_prefix(root)
+                .ok()
+                .filter(|r| r.starts_with("fixtures"));
+            if let (true, true, Some(rel)) = (write, special, rel) {
+                let rows: Vec<Value> = hard[..n_recipes]
                     .iter()
                     .zip(&want)
                     .map(|(h, ids)| {
@@ -404,17 +428,19 @@ pub fn ids_check(
                         })
                     })
                     .collect();
-                let doc = json!({
-                    "generator": "cargo xtask tokcheck ids --write (llama-cpp-python, parse_special=true, no BOS)",
-                    "model": "fixtures/tiny-f32.gguf",
-                    "cases": rows,
-                });
-                let path = root.join("fixtures/golden/tokens_hard.json");
-                let mut f = std::fs::File::create(&path)?;
-                writeln!(f, "{}", serde_json::to_string_pretty(&doc)?)?;
-                println!("wrote {}", path.display());
+                golden.push(json!({"model": rel.display().to_string(), "cases": rows}));
             }
         }
+    }
+    if write {
+        let doc = json!({
+            "generator": "cargo xtask tokcheck ids --write (llama-cpp-python, parse_special=true, no BOS)",
+            "vocabularies": golden,
+        });
+        let path = root.join("fixtures/golden/tokens_hard.json");
+        let mut f = std::fs::File::create(&path)?;
+        writeln!(f, "{}", serde_json::to_string_pretty(&doc)?)?;
+        println!("wrote {}", path.display());
     }
     if failed {
         bail!("tern's ids differ from llama.cpp's");
