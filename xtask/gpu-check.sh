@@ -286,7 +286,8 @@ for be in cuda wgpu; do
     --prompt "To be, or not to be" -n 24
   rc=$?
   cat "$log" >>"$DEVLOG"
-  line=$(grep -m 1 -E '^(cuda device|wgpu adapter)' "$log")
+  # The backend's description line, bare or behind tracing's timestamp and level.
+  line=$(grep -m 1 -oE '(cuda device|wgpu adapter) .*' "$log")
   note "$be (tern): ${line:-no device line; see device.log}"
   if [ "$be" = wgpu ] && [ $GPU = 1 ] && echo "$line" | grep -q 'Cpu,'; then
     note "wgpu picked a software adapter on a GPU machine: the NVIDIA Vulkan driver was not found"
