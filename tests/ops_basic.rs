@@ -80,6 +80,22 @@ fn add_swiglu_concat<B: Backend>(be: &B) {
             0.0,
         );
 
+        // Per-row scales, a zero among them: that row must come back untouched.
+        let scales: Vec<f32> = (0..rows)
+            .map(|r| if r % 3 == 1 { 0.0 } else { rng.f32() * 2.0 })
+            .collect();
+        let mut y = be.from_host(&a, rows, cols);
+        be.add_scaled_rows(&mut y, &be.from_host(&b, rows, cols), &scales);
+        let mut want = reference.from_host(&a, rows, cols);
+        reference.add_scaled_rows(&mut want, &reference.from_host(&b, rows, cols), &scales);
+        let ours = be.to_host(&y);
+        assert_close(
+            &format!("add_scaled_rows {rows}x{cols} [{}]", be.name()),
+            &ours,
+            &reference.to_host(&want),
+            0.0,
+        );
+
         let ours = be.to_host(&be.rows(&be.from_host(&a, rows, cols), rows / 2, rows - rows / 2));
         assert_close(
             &format!("rows [{}]", be.name()),

@@ -78,6 +78,19 @@ fn rows_ops() {
         let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
         assert_eq!(be.to_host(&t), want, "add {rows}x{cols}");
 
+        let scales: Vec<f32> = (0..rows)
+            .map(|r| if r % 2 == 1 { 0.0 } else { rng.f32() * 2.0 })
+            .collect();
+        let mut t = be.from_host(&x, rows, cols);
+        be.add_scaled_rows(&mut t, &be.from_host(&y, rows, cols), &scales);
+        let want: Vec<f32> = x
+            .iter()
+            .zip(&y)
+            .enumerate()
+            .map(|(i, (a, b))| a + scales[i / cols] * b)
+            .collect();
+        assert_eq!(be.to_host(&t), want, "add_scaled_rows {rows}x{cols}");
+
         let c = rng.vec(rows * 3, 1.0);
         let ours =
             be.to_host(&be.concat_cols(&be.from_host(&x, rows, cols), &be.from_host(&c, rows, 3)));

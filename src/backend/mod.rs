@@ -270,6 +270,9 @@ pub trait Backend: Send + Sync {
     /// the fold's transform of the shared input runs once for the weights that share a fold.
     fn matmul_many(&self, ws: &[&Self::W], x: &Self::T) -> Vec<Self::T>;
     fn add_assign(&self, x: &mut Self::T, y: &Self::T);
+    /// `y[r] += scales[r] * x[r]` for every row: a LoRA adapter's term, each row with the
+    /// scale its sequence asked for (the product rounded, then the sum, as llama.cpp).
+    fn add_scaled_rows(&self, y: &mut Self::T, x: &Self::T, scales: &[f32]);
     /// `silu(gate) ⊙ up`.
     fn swiglu(&self, gate: &Self::T, up: &Self::T) -> Self::T;
 

@@ -2,6 +2,7 @@
 //! forward recipe written once against the backend op trait.
 
 mod config;
+pub mod lora;
 mod qwen35;
 pub mod weights;
 
@@ -54,6 +55,8 @@ pub enum ModelError {
     },
     #[error("this model has no MTP block (nextn_predict_layers = 0)")]
     NoMtp,
+    #[error(transparent)]
+    Lora(#[from] lora::LoraError),
 }
 
 pub struct Model<B: Backend> {
@@ -61,6 +64,8 @@ pub struct Model<B: Backend> {
     pub file: Arc<Gguf>,
     pub hadamard: Option<Arc<HadamardConfig>>,
     pub w: Weights<B::W>,
+    /// LoRA adapters, in load order (a sequence's `lora` scales are indexed alike).
+    pub adapters: Vec<lora::Adapter<B::W>>,
 }
 
 /// What one forward call returns: a logits row and the `h_nextn` row (post-`output_norm`
@@ -88,6 +93,15 @@ impl<B: Backend> Model<B> {
             file,
             hadamard,
             w,
+            adapters: Vec::new(),
         })
+    }
+
+    /// Loads a LoRA adapter for this model (checked against its tensors, uploaded to `be`);
+    /// returns its index, the id sequences' `lora` scales and the server's API use.
+    pub fn add_adapter(&mut self, be: &B, path: impl AsRef<Path>) -> Result<usize, ModelError> {
+        let a = lora::load(be, path.as_ref(), &self.file, self.cfg.n_layer)?;
+        self.adapters.push(a);
+        Ok(self.adapters.len() - 1)
     }
 }

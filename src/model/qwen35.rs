@@ -1,5 +1,6 @@
 //! The forward recipe of model-qwen35.md §3–§6, once, against the backend ops.
 
+use super::lora::{Mat, Site};
 use super::weights::{AttnWeights, GdnWeights as GdnLayer, Layer, Mixer};
 use super::{Model, ModelError, Output};
 use crate::backend::{Backend, GdnWeights, KvTypes};
@@ -14,6 +15,8 @@ pub struct SeqState<B: Backend> {
     /// state after row t of a batch run with `snapshot`, for every row but the last (empty
     /// until `arm_cells`).
     pub cells: Vec<Vec<B::Rs>>,
+    /// The scale of each loaded LoRA adapter for this sequence (missing entries are 0).
+    pub lora: Vec<f32>,
 }
 
 impl<B: Backend> SeqState<B> {
@@ -69,6 +72,8 @@ pub struct BatchItem<'s, B: Backend> {
 pub struct MtpState<B: Backend> {
     pub pos: usize,
     pub kv: B::Kv,
+    /// The scale of each loaded LoRA adapter (missing entries are 0), as the trunk's.
+    pub lora: Vec<f32>,
 }
 
 impl<B: Backend> Model<B> {
@@ -97,6 +102,7 @@ impl<B: Backend> Model<B> {
                 .map(|il| self.cfg.is_recurrent(il).then(|| be.new_recurrent(&gp)))
                 .collect(),
             cells: Vec::new(),
+            lora: Vec::new(),
         })
     }
 
@@ -112,6 +118,7 @@ impl<B: Backend> Model<B> {
         Ok(MtpState {
             pos: 0,
             kv: be.new_kv(&self.cfg.attn_params(), kv_types)?,
+            lora: Vec::new(),
         })
     }
 
@@ -130,18 +137,25 @@ impl<B: Backend> Model<B> {
     fn attn_mixer(
         &self,
         be: &B,
+        il: usize,
         a: &AttnWeights<B::W>,
         h: &B::T,
         batch: &Batch,
         caches: &mut [(&mut B::Kv, usize)],
     ) -> B::T {
-        let qkv = be.matmul_many(&[&a.q, &a.k, &a.v], h);
+        let at = |m| Site::Layer(il, m);
+        let qkv = self.mm_many(
+            be,
+            &[(at(Mat::Q), &a.q), (at(Mat::K), &a.k), (at(Mat::V), &a.v)],
+            h,
+            &batch.lora,
+        );
         let ap = self.cfg.attn_params();
         let o = batch.per_seq(be, &qkv, |i, t| {
             let (kv, pos0) = &mut caches[i];
             be.attention(&ap, t[0], t[1], t[2], &a.q_norm, &a.k_norm, kv, *pos0)
         });
-        be.matmul(&a.o, &o)
+        self.mm(be, at(Mat::O), &a.o, &o, &batch.lora)
     }
 
     /// GDN(h) of model-qwen35.md §4 for each sequence of the batch on its own recurrent state:
@@ -157,7 +171,18 @@ impl<B: Backend> Model<B> {
         items: &mut [BatchItem<'_, B>],
         il: usize,
     ) -> B::T {
-        let proj = be.matmul_many(&[&g.qkv, &g.gate, &g.beta, &g.alpha], h);
+        let at = |m| Site::Layer(il, m);
+        let proj = self.mm_many(
+            be,
+            &[
+                (at(Mat::Qkv), &g.qkv),
+                (at(Mat::Gate), &g.gate),
+                (at(Mat::Beta), &g.beta),
+                (at(Mat::Alpha), &g.alpha),
+            ],
+            h,
+            &batch.lora,
+        );
         let gp = self.cfg.gdn_params();
         let w = GdnWeights {
             conv: &g.conv,
@@ -191,15 +216,64 @@ impl<B: Backend> Model<B> {
             }
             be.concat_rows(&rows.iter().collect::<Vec<_>>())
         });
-        be.matmul(&g.out, &y)
+        self.mm(be, at(Mat::SsmOut), &g.out, &y, &batch.lora)
     }
 
     /// `x += FFN(rmsnorm(x) * post_attention_norm)`.
-    fn ffn(&self, be: &B, layer: &Layer<B::W>, x: &mut B::T) {
+    fn ffn(&self, be: &B, il: usize, layer: &Layer<B::W>, x: &mut B::T, lora: &RowScales) {
+        let at = |m| Site::Layer(il, m);
         let h = be.rms_norm(x, &layer.post_attn_norm, self.cfg.eps);
-        let gu = be.matmul_many(&[&layer.ffn_gate, &layer.ffn_up], &h);
-        let y = be.matmul(&layer.ffn_down, &be.swiglu(&gu[0], &gu[1]));
+        let gu = self.mm_many(
+            be,
+            &[
+                (at(Mat::FfnGate), &layer.ffn_gate),
+                (at(Mat::FfnUp), &layer.ffn_up),
+            ],
+            &h,
+            lora,
+        );
+        let y = self.mm(
+            be,
+            at(Mat::FfnDown),
+            &layer.ffn_down,
+            &be.swiglu(&gu[0], &gu[1]),
+            lora,
+        );
         be.add_assign(x, &y);
+    }
+
+    /// `W·x` plus the term of every LoRA adapter that modifies this matmul and is active for
+    /// some row (model/lora.rs): `y += s·B(A·x)`, each row at its own sequence's scale.
+    fn mm(&self, be: &B, site: Site, w: &B::W, x: &B::T, lora: &RowScales) -> B::T {
+        let mut y = be.matmul(w, x);
+        self.lora_terms(be, site, &mut y, x, lora);
+        y
+    }
+
+    /// `mm` of one input by several weights (the fold's transform shared, `matmul_many`).
+    fn mm_many(
+        &self,
+        be: &B,
+        ws: &[(Site, &B::W)],
+        x: &B::T,
+        lora: &RowScales,
+    ) -> Vec<B::T> {
+        let mut ys = be.matmul_many(&ws.iter().map(|w| w.1).collect::<Vec<_>>(), x);
+        for (y, (site, _)) in ys.iter_mut().zip(ws) {
+            self.lora_terms(be, *site, y, x, lora);
+        }
+        ys
+    }
+
+    fn lora_terms(&self, be: &B, site: Site, y: &mut B::T, x: &B::T, lora: &RowScales) {
+        for (i, ad) in self.adapters.iter().enumerate() {
+            let (Some(scales), Some(pair)) = (lora.of(i), ad.get(site)) else {
+                continue;
+            };
+            let s: Vec<f32> = scales.iter().map(|&sc| ad.pair_scale(pair, sc)).collect();
+            let ab = be.matmul(&pair.b, &be.matmul(&pair.a, x));
+            be.add_scaled_rows(y, &ab, &s);
+        }
     }
 
     /// Runs `tokens` at positions `st.pos..`, advancing the state. With `all_rows` the output
@@ -248,12 +322,12 @@ impl<B: Backend> Model<B> {
                             (kv.expect("an attention layer has a KV cache"), pos0)
                         })
                         .collect();
-                    self.attn_mixer(be, a, &h, &batch, &mut caches)
+                    self.attn_mixer(be, il, a, &h, &batch, &mut caches)
                 }
                 Mixer::Gdn(g) => self.gdn_mixer(be, g, &h, &batch, items, il),
             };
             be.add_assign(&mut x, &mixed);
-            self.ffn(be, layer, &mut x);
+            self.ffn(be, il, layer, &mut x, &batch.lora);
         }
         for it in items.iter_mut() {
             it.seq.pos += it.tokens.len();
@@ -263,7 +337,18 @@ impl<B: Backend> Model<B> {
         let x = picks.gather_h(be, x);
         let h = be.rms_norm(&x, &self.w.output_norm, eps);
         let hl = picks.gather_logits(be, &h);
-        let logits = be.matmul(&self.w.output, hl.as_ref().unwrap_or(&h));
+        let lora = RowScales::new(
+            self.adapters.len(),
+            items.iter().map(|it| it.seq.lora.as_slice()),
+            picks.logits.iter().map(|r| r.1),
+        );
+        let logits = self.mm(
+            be,
+            Site::Output,
+            &self.w.output,
+            hl.as_ref().unwrap_or(&h),
+            &lora,
+        );
         Ok(picks.split(be, logits, h))
     }
 
@@ -285,7 +370,16 @@ impl<B: Backend> Model<B> {
             spans.push((tokens.len(), it.tokens.len()));
             tokens.extend_from_slice(it.tokens);
         }
-        Ok(Batch { tokens, spans })
+        let lora = RowScales::new(
+            self.adapters.len(),
+            items.iter().map(|it| it.seq.lora.as_slice()),
+            spans.iter().map(|s| s.1),
+        );
+        Ok(Batch {
+            tokens,
+            spans,
+            lora,
+        })
     }
 
     /// The MTP head (§6) over rows at positions `st.pos..`: row k reads token `tokens[k]` and
@@ -306,7 +400,12 @@ impl<B: Backend> Model<B> {
             mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),
             eps,
         );
-        let logits = be.matmul(mtp.head.as_ref().unwrap_or(&self.w.output), &h);
+        let (site, head) = match &mtp.head {
+            Some(w) => (Site::MtpHead, w),
+            None => (Site::Output, &self.w.output),
+        };
+        let lora = RowScales::new(self.adapters.len(), [st.lora.as_slice()], [tokens.len()]);
+        let logits = self.mm(be, site, head, &h, &lora);
         Ok(Output { logits, h })
     }
 
@@ -337,15 +436,22 @@ impl<B: Backend> Model<B> {
         let emb = be.embed(mtp.embed.as_ref().unwrap_or(&self.w.token_embd), tokens);
         let e = be.rms_norm(&emb, &mtp.enorm, eps);
         let hh = be.rms_norm(h_prev, &mtp.hnorm, eps);
-        let mut c = be.matmul(&mtp.eh_proj, &be.concat_cols(&e, &hh));
+        let batch = Batch::one(tokens, RowScales::new(self.adapters.len(), [st.lora.as_slice()], [tokens.len()]));
+        let mut c = self.mm(
+            be,
+            Site::EhProj,
+            &mtp.eh_proj,
+            &be.concat_cols(&e, &hh),
+            &batch.lora,
+        );
         let h = be.rms_norm(&c, &mtp.layer.attn_norm, eps);
         let Mixer::Attn(aw) = &mtp.layer.mixer else {
             unreachable!("the MTP block's layer is a full-attention layer")
         };
-        let batch = Batch::one(tokens);
-        let a = self.attn_mixer(be, aw, &h, &batch, &mut [(&mut st.kv, st.pos)]);
+        let il = self.cfg.n_layer;
+        let a = self.attn_mixer(be, il, aw, &h, &batch, &mut [(&mut st.kv, st.pos)]);
         be.add_assign(&mut c, &a);
-        self.ffn(be, &mtp.layer, &mut c);
+        self.ffn(be, il, &mtp.layer, &mut c, &batch.lora);
         st.pos += tokens.len();
         Ok(c)
     }
@@ -356,14 +462,17 @@ impl<B: Backend> Model<B> {
 struct Batch {
     tokens: Vec<u32>,
     spans: Vec<(usize, usize)>,
+    /// Each LoRA adapter's scale for every row.
+    lora: RowScales,
 }
 
 impl Batch {
     /// One sequence's tokens.
-    fn one(tokens: &[u32]) -> Batch {
+    fn one(tokens: &[u32], lora: RowScales) -> Batch {
         Batch {
             tokens: tokens.to_vec(),
             spans: vec![(0, tokens.len())],
+            lora,
         }
     }
 
@@ -463,5 +572,38 @@ impl Picks {
                 out
             })
             .collect()
+    }
+}
+
+/// Each loaded LoRA adapter's scale for every row of a step: the rows of item `i` take its
+/// sequence's scale. An adapter no row uses (every scale 0) is skipped, so a model whose
+/// adapters are all at scale 0 computes exactly the base model.
+struct RowScales {
+    per_adapter: Vec<Option<Vec<f32>>>,
+}
+
+impl RowScales {
+    fn new<'a>(
+        n_adapters: usize,
+        items: impl IntoIterator<Item = &'a [f32]>,
+        rows: impl IntoIterator<Item = usize>,
+    ) -> RowScales {
+        let mut per_adapter = vec![Vec::new(); n_adapters];
+        for (scales, n) in items.into_iter().zip(rows) {
+            for (a, col) in per_adapter.iter_mut().enumerate() {
+                col.extend(std::iter::repeat_n(scales.get(a).copied().unwrap_or(0.0), n));
+            }
+        }
+        RowScales {
+            per_adapter: per_adapter
+                .into_iter()
+                .map(|col| col.iter().any(|&s| s != 0.0).then_some(col))
+                .collect(),
+        }
+    }
+
+    /// Adapter `i`'s scale per row, or `None` when no row uses it.
+    fn of(&self, i: usize) -> Option<&[f32]> {
+        self.per_adapter.get(i)?.as_deref()
     }
 }

@@ -41,8 +41,26 @@ def _lib():
     return lib
 
 
-def mtp_eval(path: str, tokens, h_rows, n_threads: int = 2, kv_f32: bool = True, flash_attn: int | None = 0):
-    """Returns (logits [T, n_vocab] f32, h' [T, n_embd] f32) from llama.cpp's MTP graph."""
+def set_adapters(model, ctx, adapters) -> None:
+    """Applies LoRA adapters [(path, scale)] to a context (llama_set_adapters_lora)."""
+    if not adapters:
+        return
+    ptrs = []
+    for path, _ in adapters:
+        a = C.llama_adapter_lora_init(model, str(path).encode())
+        if not a:
+            raise RuntimeError(f"llama_adapter_lora_init failed for {path}")
+        ptrs.append(a)
+    arr = (C.llama_adapter_lora_p_ctypes * len(ptrs))(*ptrs)
+    scales = (ctypes.c_float * len(ptrs))(*[float(s) for _, s in adapters])
+    if C.llama_set_adapters_lora(ctx, arr, len(ptrs), scales):
+        raise RuntimeError("llama_set_adapters_lora failed")
+
+
+def mtp_eval(path: str, tokens, h_rows, n_threads: int = 2, kv_f32: bool = True, flash_attn: int | None = 0,
+             adapters=()):
+    """Returns (logits [T, n_vocab] f32, h' [T, n_embd] f32) from llama.cpp's MTP graph, with
+    the LoRA adapters [(path, scale)] applied."""
     lib = _lib()
     tokens = [int(x) for x in tokens]
     T = len(tokens)
@@ -74,6 +92,7 @@ def mtp_eval(path: str, tokens, h_rows, n_threads: int = 2, kv_f32: bool = True,
         if not ctx:
             raise RuntimeError("llama_init_from_model (MTP context) failed")
         try:
+            set_adapters(model, ctx, adapters)
             lib._Z26llama_set_embeddings_nextnP13llama_contextbb(ctx, True, True)
             h = np.ascontiguousarray(np.asarray(h_rows, dtype=np.float32).reshape(T, n_embd))
             batch = lib.llama_batch_ext_init(ctx)

@@ -101,6 +101,10 @@ class Model:
     def has(self, name: str) -> bool:
         return name in self.t
 
+    def add_delta(self, name: str, delta: np.ndarray) -> None:
+        """Merges a LoRA term into a weight: W <- W + s·B·A (lora_goldens.py)."""
+        self.t[name] = self.t[name] + delta
+
 
 def load(path: str) -> Model:
     reader = GGUFReader(path, "r")

@@ -649,6 +649,11 @@ fn tokens_for(g: &Geometry, vocab: &Vocab) -> Vec<u32> {
         .collect()
 }
 
+/// The vocabulary size of the tiny fixtures.
+pub fn tiny_vocab_size() -> usize {
+    vocab::build(N_MERGES, 0).tokens.len()
+}
+
 /// Builds every tiny fixture in memory (no I/O), in manifest order.
 pub fn tiny_set() -> Result<(Vec<Fixture>, Vec<String>)> {
     let vocab = vocab::build(N_MERGES, 0);
@@ -733,7 +738,7 @@ fn sha256_file(path: &Path) -> Result<String> {
 }
 
 /// Writes, re-opens with tern's reader, and returns (bytes, sha256).
-fn write_checked(w: &GgufWriter, path: &Path) -> Result<(u64, String)> {
+pub fn write_checked(w: &GgufWriter, path: &Path) -> Result<(u64, String)> {
     w.write(path)
         .with_context(|| format!("writing {}", path.display()))?;
     let g = Gguf::open(path).with_context(|| format!("re-opening {}", path.display()))?;

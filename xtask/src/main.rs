@@ -6,6 +6,7 @@ mod fold;
 mod fuzz;
 mod gpu_kit;
 mod llama_flags;
+mod lora_fixtures;
 mod quality;
 mod rng;
 mod tokcheck;
@@ -110,7 +111,8 @@ fn main() -> Result<()> {
             if bench {
                 fixtures::write_bench(&out)
             } else {
-                fixtures::write_tiny(&out)
+                fixtures::write_tiny(&out)?;
+                lora_fixtures::write(&out)
             }
         }
         Some("goldens") => {

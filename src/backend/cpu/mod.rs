@@ -523,6 +523,17 @@ impl Backend for CpuBackend {
             .for_each(|(x, y)| x.iter_mut().zip(y).for_each(|(a, &b)| *a += b));
     }
 
+    fn add_scaled_rows(&self, y: &mut Tensor, x: &Tensor, scales: &[f32]) {
+        assert_eq!((y.rows, y.cols), (x.rows, x.cols), "add_scaled_rows: shapes");
+        assert_eq!(scales.len(), y.rows, "add_scaled_rows: one scale per row");
+        let cols = y.cols.max(1);
+        y.data
+            .par_chunks_mut(cols)
+            .zip(x.data.par_chunks(cols))
+            .zip(scales.par_iter())
+            .for_each(|((y, x), &s)| y.iter_mut().zip(x).for_each(|(a, &b)| *a += s * b));
+    }
+
     fn swiglu(&self, gate: &Tensor, up: &Tensor) -> Tensor {
         assert_eq!(gate.data.len(), up.data.len());
         let mut out = Tensor::zeros(gate.rows, gate.cols);

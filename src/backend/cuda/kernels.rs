@@ -35,6 +35,7 @@ macro_rules! kernel_files {
 
 kernel_files!(
     "add",
+    "add_scaled",
     "argmax",
     "attn_combine",
     "attn_prep",

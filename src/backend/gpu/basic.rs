@@ -33,6 +33,39 @@ pub fn add_assign<D: Device>(be: &GpuBackend<D>, x: &mut Tensor<D>, y: &Tensor<D
     );
 }
 
+/// `y[r] += scales[r] * x[r]` for every row (a LoRA adapter's term, each row with the scale of
+/// its sequence).
+pub fn add_scaled_rows<D: Device>(
+    be: &GpuBackend<D>,
+    y: &mut Tensor<D>,
+    x: &Tensor<D>,
+    scales: &[f32],
+) {
+    assert_eq!((y.rows, y.cols), (x.rows, x.cols), "add_scaled_rows: shapes");
+    assert_eq!(scales.len(), y.rows, "add_scaled_rows: one scale per row");
+    if y.is_empty() {
+        return;
+    }
+    let s = be.upload_pooled(bytemuck::cast_slice(scales));
+    be.dev.launch(
+        Kernel::AddScaled,
+        Grid::Linear(y.len().div_ceil(256)),
+        &[
+            y.view(),
+            x.view(),
+            super::View {
+                mem: s.mem(),
+                offset: 0,
+                len: scales.len() as u64 * 4,
+            },
+        ],
+        &[
+            Scalar::U(u32_of(y.rows, "rows")),
+            Scalar::U(u32_of(y.cols, "cols")),
+        ],
+    );
+}
+
 pub fn swiglu<D: Device>(be: &GpuBackend<D>, gate: &Tensor<D>, up: &Tensor<D>) -> Tensor<D> {
     assert_eq!(gate.len(), up.len());
     let y = be.new_tensor(gate.rows, gate.cols);

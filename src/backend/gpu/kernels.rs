@@ -99,6 +99,8 @@ pub const CACHE_CODES: u32 = 5;
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kernel {
     Add,
+    /// `y += s[row] * x`: a LoRA term with a scale per row.
+    AddScaled,
     Argmax,
     AttnCombine,
     AttnPrep,
@@ -152,6 +154,7 @@ impl Kernel {
     pub fn spec(&self) -> Spec {
         let (file, wg, mut defines): (&'static str, u32, Vec<(&'static str, u32)>) = match *self {
             Kernel::Add => ("add", 256, vec![]),
+            Kernel::AddScaled => ("add_scaled", 256, vec![]),
             Kernel::Argmax => ("argmax", 256, vec![]),
             Kernel::AttnCombine => ("attn_combine", 64, vec![("MAX_CHUNKS", MAX_CHUNKS)]),
             Kernel::AttnPrep => ("attn_prep", 64, vec![("MAX_HD", MAX_HD)]),
@@ -208,6 +211,7 @@ impl Kernel {
     pub fn all(gdn_d: &[u32]) -> Vec<Kernel> {
         let mut out = vec![
             Kernel::Add,
+            Kernel::AddScaled,
             Kernel::Argmax,
             Kernel::AttnCombine,
             Kernel::AttnPrep,

@@ -545,6 +545,10 @@ impl<D: Device> Backend for GpuBackend<D> {
         basic::add_assign(self, x, y)
     }
 
+    fn add_scaled_rows(&self, y: &mut Tensor<D>, x: &Tensor<D>, scales: &[f32]) {
+        basic::add_scaled_rows(self, y, x, scales)
+    }
+
     fn swiglu(&self, gate: &Tensor<D>, up: &Tensor<D>) -> Tensor<D> {
         basic::swiglu(self, gate, up)
     }

@@ -22,6 +22,7 @@ macro_rules! shader_files {
 
 shader_files!(
     "add",
+    "add_scaled",
     "argmax",
     "attn_combine",
     "attn_prep",
