@@ -22,6 +22,8 @@ pub struct Allocated {
     pub draft_kv: u64,
     pub recurrent: u64,
     pub checkpoint: u64,
+    /// LoRA adapters' pairs, as the weights.
+    pub lora: u64,
     /// Activations and scratch at the warm-up's peak; `None` when nothing could measure them
     /// (a CPU run without the counting allocator).
     pub compute: Option<u64>,
@@ -58,6 +60,9 @@ pub fn rows(ledger: &Ledger, a: &Allocated) -> Vec<BootRow> {
         exact(Term::Recurrent, a.recurrent),
         exact(Term::Checkpoint, a.checkpoint),
     ];
+    if ledger.line(Term::Lora).is_some() || a.lora > 0 {
+        out.push(exact(Term::Lora, a.lora));
+    }
     let projected = ledger.bytes(Term::Compute) + ledger.bytes(Term::DraftCompute);
     out.push(BootRow {
         term: "compute",

@@ -41,7 +41,19 @@ pub const GDN_CHUNK: u64 = 64;
 
 const F32: u64 = 4;
 
-pub(crate) fn estimate(geo: &Geometry, shape: &Shape) -> (Line, Option<Line>) {
+/// What the adapters add to a step: their widest rank, and whether one modifies the output
+/// head (then a second logits-sized product is live while it is added).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct LoraLoad {
+    pub max_rank: u64,
+    pub output: bool,
+}
+
+pub(crate) fn estimate(
+    geo: &Geometry,
+    shape: &Shape,
+    lora: Option<LoraLoad>,
+) -> (Line, Option<Line>) {
     // Saturating throughout: header numbers are untrusted.
     let rows = shape.effective_ubatch();
     let hd = geo.head_dim;
@@ -97,6 +109,13 @@ pub(crate) fn estimate(geo: &Geometry, shape: &Shape) -> (Line, Option<Line>) {
         ("gdn chunk states".to_string(), chunks),
         ("logits".to_string(), logits),
     ];
+    if let Some(l) = lora {
+        // Per adapter and matrix: A·x (rank wide) and B(A·x) (the matrix's width) live beside
+        // the product they are added to.
+        let terms = mul(&[rows, row.saturating_add(l.max_rank), F32]);
+        let head = if l.output { logits } else { 0 };
+        parts.push(("LoRA terms".to_string(), terms.saturating_add(head)));
+    }
     if shape.parallel > 1 {
         // A step mixing slots splits each projection per slot for the mixers and joins the
         // outputs: a second copy of the activations is live meanwhile.
@@ -128,6 +147,10 @@ pub(crate) fn estimate(geo: &Geometry, shape: &Shape) -> (Line, Option<Line>) {
         ("attention scores".to_string(), d_scores),
         ("logits".to_string(), d_logits),
     ];
+    if let Some(l) = lora {
+        let terms = mul(&[rows, draft_row.saturating_add(l.max_rank), F32]);
+        parts.push(("LoRA terms".to_string(), terms.saturating_add(d_logits)));
+    }
     pooled(shape, &mut parts);
     let draft = Line {
         term: Term::DraftCompute,

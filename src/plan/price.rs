@@ -147,7 +147,13 @@ impl Ledger {
         }
         lines.push(recurrent(&geometry, shape));
         lines.push(checkpoint(&geometry, shape));
-        let (c, dc) = compute::estimate(&geometry, shape);
+        let (lora_line, lora_load) = if shape.lora.is_empty() {
+            (None, None)
+        } else {
+            let (l, load) = lora(g, cfg, shape)?;
+            (Some(l), Some(load))
+        };
+        let (c, dc) = compute::estimate(&geometry, shape, lora_load);
         lines.push(c);
         if let Some(dc) = dc {
             lines.push(dc);
@@ -166,27 +172,7 @@ impl Ledger {
                 parts: Vec::new(),
             });
         }
-        if !shape.lora.is_empty() {
-            let mut parts = Vec::new();
-            for p in &shape.lora {
-                parts.push((p.display().to_string(), file_size("LoRA adapter", p)?));
-            }
-            let bytes = parts
-                .iter()
-                .map(|(_, b)| *b)
-                .fold(0u64, u64::saturating_add);
-            let names: Vec<String> = parts
-                .iter()
-                .map(|(n, b)| format!("{n} {} B", count(*b)))
-                .collect();
-            lines.push(Line {
-                term: Term::Lora,
-                bytes,
-                detail: format!("{} as stored", names.join(", ")),
-                estimated: false,
-                parts,
-            });
-        }
+        lines.extend(lora_line);
         Ok(Ledger {
             model: g.path().to_path_buf(),
             geometry,
@@ -351,6 +337,52 @@ fn weights(g: &Arc<Gguf>, cfg: &Config, backend: BackendKind) -> Result<Line, Pl
         estimated: false,
         parts,
     })
+}
+
+/// The adapters' pairs as the backend takes them: the loader checks each adapter against the
+/// model and hands every pair to the same allocation rule as the base weights.
+fn lora(
+    g: &Arc<Gguf>,
+    cfg: &Config,
+    shape: &Shape,
+) -> Result<(Line, compute::LoraLoad), PlanError> {
+    use crate::model::lora::Site;
+    let rule = Pricer(weight_rule(shape.backend));
+    let mut parts = Vec::new();
+    let mut pairs = 0;
+    let mut load = compute::LoraLoad::default();
+    for p in &shape.lora {
+        let a = crate::model::lora::load(&rule, p, g, cfg.n_layer)
+            .map_err(crate::model::ModelError::from)?;
+        let mut t = WeightTally::default();
+        for (site, pair) in a.pairs {
+            load.max_rank = load.max_rank.max(pair.rank as u64);
+            load.output |= matches!(site, Site::Output | Site::MtpHead);
+            t.add(pair.a);
+            t.add(pair.b);
+            pairs += 1;
+        }
+        parts.push((p.display().to_string(), t.total()));
+    }
+    let bytes = parts
+        .iter()
+        .map(|(_, b)| *b)
+        .fold(0u64, u64::saturating_add);
+    let names: Vec<String> = parts
+        .iter()
+        .map(|(n, b)| format!("{n} {} B", count(*b)))
+        .collect();
+    let line = Line {
+        term: Term::Lora,
+        bytes,
+        detail: format!(
+            "{pairs} A/B pairs: {} (their activations are in compute)",
+            names.join(", ")
+        ),
+        estimated: false,
+        parts,
+    };
+    Ok((line, load))
 }
 
 /// Bytes of one cache over `positions` tokens: `layers` rows of `elems` elements per token.

@@ -111,6 +111,9 @@ pub struct Request {
     pub cache_prompt: bool,
     /// Render special tokens in the text (`--special`).
     pub special: bool,
+    /// Scale of each loaded LoRA adapter, in load order (empty: every adapter at 0). The server
+    /// resolves llama-server's rules (a request's `lora` list, else the global scales) into it.
+    pub lora: Vec<f32>,
 }
 
 impl Default for Request {
@@ -124,6 +127,7 @@ impl Default for Request {
             reasoning_budget: None,
             cache_prompt: true,
             special: false,
+            lora: Vec::new(),
         }
     }
 }
@@ -515,6 +519,7 @@ impl<B: Backend> Worker<B> {
         for _ in 0..cfg.parallel {
             // The slot's whole window is allocated now: decoding never allocates cache memory.
             let mut seq = model.new_state_with(&be, cfg.kv_types).map_err(model_err)?;
+            seq.lora = vec![0.0; model.adapters.len()];
             seq.reserve(&be, cfg.n_ctx_slot())
                 .map_err(|e| EngineError::Model(format!("KV cache: {e}")))?;
             let mut dec = SlotDecoder::new(
@@ -526,6 +531,7 @@ impl<B: Backend> Worker<B> {
             )
             .map_err(model_err)?;
             if let Some(m) = dec.mtp.as_mut() {
+                m.state.lora = vec![0.0; model.adapters.len()];
                 be.kv_reserve(&mut m.state.kv, cfg.n_ctx_slot())
                     .map_err(|e| EngineError::Model(format!("draft KV cache: {e}")))?;
             }
@@ -574,8 +580,19 @@ impl<B: Backend> Worker<B> {
             ..Default::default()
         };
         (a.kv, a.draft_kv, a.recurrent, a.checkpoint) = self.holdings();
+        for ad in &self.model.adapters {
+            let mut t = crate::backend::WeightTally::default();
+            for p in ad.pairs.values() {
+                t.add(be.weight_bytes(&p.a));
+                t.add(be.weight_bytes(&p.b));
+            }
+            a.lora = a.lora.saturating_add(t.total());
+        }
         let heap = crate::alloc::mark();
+        // Every adapter on, so the step measures their compute too.
+        self.set_lora_all(1.0);
         self.warm_up()?;
+        self.set_lora_all(0.0);
         let be = &self.be;
         (a.compute, a.compute_how) = match be.compute_bytes() {
             Some(after) => (
@@ -594,6 +611,16 @@ impl<B: Backend> Worker<B> {
             self.reset_slot(i);
         }
         Ok(a)
+    }
+
+    fn set_lora_all(&mut self, scale: f32) {
+        let n = self.model.adapters.len();
+        for s in &mut self.slots {
+            s.dec.seq.lora = vec![scale; n];
+            if let Some(m) = s.dec.mtp.as_mut() {
+                m.state.lora = vec![scale; n];
+            }
+        }
     }
 
     fn warm_up(&mut self) -> Result<(), EngineError> {
@@ -806,8 +833,12 @@ impl<B: Backend> Worker<B> {
 
     /// How much of `prompt` slot `i` can reuse: its whole history when the prompt extends it,
     /// else its last prompt when the prompt extends that; at least one token is left to run.
-    fn reusable(&self, i: usize, prompt: &[u32]) -> usize {
+    /// Nothing is reusable under other adapter scales: the cache was computed with them.
+    fn reusable(&self, i: usize, prompt: &[u32], lora: &[f32]) -> usize {
         let s = &self.slots[i];
+        if s.dec.seq.lora != lora {
+            return 0;
+        }
         let common = s
             .tokens
             .iter()
@@ -821,6 +852,26 @@ impl<B: Backend> Worker<B> {
             Some(pos) if pos <= common && pos < prompt.len() => pos,
             _ => 0,
         }
+    }
+
+    /// A request's adapter scales as a sequence takes them: one per loaded adapter.
+    fn lora_scales(&self, req: &[f32]) -> Result<Vec<f32>, EngineError> {
+        let n = self.model.adapters.len();
+        if req.is_empty() {
+            return Ok(vec![0.0; n]);
+        }
+        if req.len() != n {
+            return Err(EngineError::Config(format!(
+                "lora: {} scales for {n} loaded adapters",
+                req.len()
+            )));
+        }
+        if let Some(s) = req.iter().find(|s| !s.is_finite()) {
+            return Err(EngineError::Config(format!(
+                "lora: scale {s} is not a finite number"
+            )));
+        }
+        Ok(req.to_vec())
     }
 
     fn assign(&mut self) {
@@ -850,6 +901,8 @@ impl<B: Backend> Worker<B> {
                     "token id {id} is outside the vocabulary of {}",
                     self.model.cfg.n_vocab
                 )))
+            } else if let Err(e) = self.lora_scales(&sub.req.lora) {
+                Some(e)
             } else {
                 sub.req.sampler.validate().err().map(EngineError::Sampling)
             };
@@ -858,19 +911,20 @@ impl<B: Backend> Worker<B> {
                 let _ = sub.tx.send(Event::Error(e));
                 continue;
             }
+            let lora = self.lora_scales(&sub.req.lora).unwrap_or_default();
             // The free slot that reuses the most of this prompt.
             let free: Vec<usize> = (0..self.slots.len())
                 .filter(|&i| self.slots[i].task.is_none())
                 .collect();
             let Some(&best) = free
                 .iter()
-                .max_by_key(|&&i| (self.reusable(i, &sub.req.prompt), usize::MAX - i))
+                .max_by_key(|&&i| (self.reusable(i, &sub.req.prompt, &lora), usize::MAX - i))
             else {
                 return;
             };
             let sub = self.queue.pop_front().unwrap();
             let reuse = if sub.req.cache_prompt {
-                self.reusable(best, &sub.req.prompt)
+                self.reusable(best, &sub.req.prompt, &lora)
             } else {
                 0
             };
@@ -880,6 +934,10 @@ impl<B: Backend> Worker<B> {
                 self.rewind(best, reuse);
             }
             let slot = &mut self.slots[best];
+            if let Some(m) = slot.dec.mtp.as_mut() {
+                m.state.lora = lora.clone();
+            }
+            slot.dec.seq.lora = lora;
             slot.dec.sampler =
                 Sampler::new(sub.req.sampler.clone()).with_budget(sub.req.reasoning_budget.clone());
             slot.dec.last = None;

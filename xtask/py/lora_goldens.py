@@ -34,6 +34,13 @@ SCALES = [0.0, 0.5, 1.0, 2.0]
 # Two adapters at once: (adapter index, scale).
 COMBO = [(0, 1.0), (2, 0.5)]
 GGML_TYPE_F32 = 0
+# Greedy continuations for the server test (tests/server_lora.rs): the folded base, its first
+# GREEDY_PROMPT tokens, GREEDY_N tokens, per case a list of (adapter index, scale).
+GREEDY_BASE = "tiny-pq2_0.gguf"
+GREEDY_PROMPT = 8
+GREEDY_N = 12
+GREEDY_CASES = {"base": [], "a0s1": [(0, 1.0)], "a1s2": [(1, 2.0)], "a0s0.5": [(0, 0.5)],
+                "a0s1+a2s0.5": [(0, 1.0), (2, 0.5)]}
 NMSE_MAX = 1e-6
 
 
@@ -62,6 +69,9 @@ def worker(job: dict) -> None:
     import llama_mtp
 
     adapters = list(zip(job["adapters"], job["scales"]))
+    if job["kind"] == "greedy":
+        Path(job["out"]).write_text(json.dumps(greedy(job["model"], job["tokens"], adapters, job["n"])))
+        return
     if job["kind"] == "mtp":
         lg, hh = llama_mtp.mtp_eval(job["model"], job["tokens"], np.load(job["h"]), adapters=adapters)
         np.save(job["out"], lg)
@@ -100,6 +110,61 @@ def worker(job: dict) -> None:
     C.llama_batch_free(batch)
     C.llama_free(ctx)
     C.llama_model_free(model)
+
+
+def greedy(model_path: str, toks: list[int], adapters, n: int) -> dict:
+    """llama.cpp's greedy continuation (F32 KV), one token at a time, with the top-2 margin of
+    each step (a test can only demand equality where the margin is not a rounding tie) and the
+    text as llama.cpp's token_to_piece gives it."""
+    import numpy as np
+    import llama_cpp
+    from llama_cpp import llama_cpp as C
+    import llama_mtp
+
+    llama_cpp.llama_backend_init()
+    mp = C.llama_model_default_params()
+    mp.load_mtp = True
+    model = C.llama_model_load_from_file(model_path.encode(), mp)
+    cp = C.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = 256, 256, 256, 1
+    cp.n_threads = cp.n_threads_batch = 2
+    cp.type_k = cp.type_v = GGML_TYPE_F32
+    ctx = C.llama_init_from_model(model, cp)
+    llama_mtp.set_adapters(model, ctx, adapters)
+    vocab = C.llama_model_get_vocab(model)
+    n_vocab = C.llama_vocab_n_tokens(vocab)
+    eos = C.llama_vocab_eos(vocab)
+    batch = C.llama_batch_init(len(toks), 0, 1)
+
+    def decode(ids, pos0):
+        for i, t in enumerate(ids):
+            batch.token[i] = t
+            batch.pos[i] = pos0 + i
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = 0
+            batch.logits[i] = 1 if i == len(ids) - 1 else 0
+        batch.n_tokens = len(ids)
+        if C.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        return np.ctypeslib.as_array(C.llama_get_logits_ith(ctx, len(ids) - 1), shape=(n_vocab,)).copy()
+
+    logits = decode(toks, 0)
+    out, margins, text = [], [], b""
+    buf = ctypes.create_string_buffer(256)
+    for k in range(n):
+        order = np.argsort(-logits, kind="stable")
+        t = int(order[0])
+        margins.append(float(logits[order[0]] - logits[order[1]]))
+        if t == eos:
+            break
+        out.append(t)
+        m = C.llama_token_to_piece(vocab, t, buf, len(buf), 0, False)
+        text += buf.raw[:m]
+        logits = decode([t], len(toks) + k)
+    C.llama_batch_free(batch)
+    C.llama_free(ctx)
+    C.llama_model_free(model)
+    return {"tokens": out, "text": text.decode("utf-8", errors="replace"), "min_margin": min(margins)}
 
 
 def f32_twin(src: Path, dst: Path) -> Path:
@@ -174,6 +239,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fixtures", default="fixtures")
     ap.add_argument("--out", default="fixtures/golden/lora")
     ap.add_argument("--_worker")
+    ap.add_argument("--greedy-only", action="store_true",
+                    help="only (re)record the greedy continuations into an existing manifest")
     a = ap.parse_args(argv)
     if a._worker:
         worker(json.loads(Path(a._worker).read_text()))
@@ -195,6 +262,28 @@ def main(argv=None) -> int:
     for ad in adapters:
         src = fx_dir / "lora" / ad["file"]
         exact[ad["file"]] = src if ad["lora_a_type"] == "F32" else f32_twin(src, tmp / f"twin-{ad['file']}")
+    gfx = fixtures[GREEDY_BASE]
+    gmodel = fx_dir / (gfx["twin"] or gfx["file"])
+    greedy_out = {"base": GREEDY_BASE, "evaluated": gmodel.name, "kv": "f32",
+                  "prompt": gfx["tokens"][:GREEDY_PROMPT], "n": GREEDY_N, "cases": {}}
+    for case, pairs in GREEDY_CASES.items():
+        gp = tmp / f"greedy-{case}.json"
+        run({"kind": "greedy", "model": str(gmodel), "tokens": greedy_out["prompt"], "n": GREEDY_N,
+             "adapters": [str(exact[adapters[i]["file"]]) for i, _ in pairs],
+             "scales": [sc for _, sc in pairs], "out": str(gp)}, tmp)
+        g = json.loads(gp.read_text())
+        g["adapters"] = [[adapters[i]["file"], sc] for i, sc in pairs]
+        greedy_out["cases"][case] = g
+        print(case, json.dumps(g))
+    if a.greedy_only:
+        mpath = out / "manifest.json"
+        manifest = json.loads(mpath.read_text())
+        manifest["greedy"] = greedy_out
+        mpath.write_text(json.dumps(manifest, indent=1) + "\n")
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+        return 0
     bases = []
     for base_file in ["tiny-f32.gguf", "tiny-pq2_0.gguf"]:
         fx = fixtures[base_file]
@@ -268,6 +357,7 @@ def main(argv=None) -> int:
         "reference_nmse_max": NMSE_MAX,
         "ok": ok,
         "results": results,
+        "greedy": greedy_out,
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return 0 if ok else 1

@@ -128,3 +128,42 @@ pub fn write(dir: &Path) -> Result<()> {
     )?;
     Ok(())
 }
+
+/// A random rank-`rank` adapter for any qwen35 file, with a pair for every matrix an adapter
+/// may modify there (read off the file's own tensor table), for the bench's cost figure.
+pub fn adapter_for(base: &tern::gguf::Gguf, rank: usize, label: &str) -> Result<GgufWriter> {
+    let cfg = tern::model::Config::from_gguf(base)?;
+    let mut w = GgufWriter::new();
+    w.set("general.architecture", Value::String("qwen35".into()));
+    w.set("general.type", Value::String("adapter".into()));
+    w.set(
+        "general.name",
+        Value::String(format!("{label} LoRA rank {rank} (random)")),
+    );
+    w.set("adapter.type", Value::String("lora".into()));
+    w.set("adapter.lora.alpha", Value::F32(rank as f32));
+    for t in base.tensors() {
+        if tern::model::lora::Site::of(&t.name, cfg.n_layer).is_none() {
+            continue;
+        }
+        let (n_in, n_out) = (t.ne0() as usize, t.n_rows() as usize);
+        let mut rng = Rng::for_label(SEED, &format!("lora/{label}/{}", t.name));
+        let sa = (3.0 / n_in as f32).sqrt();
+        let a: Vec<f32> = (0..rank * n_in).map(|_| rng.uniform(-sa, sa)).collect();
+        let sb = 0.05 / (rank as f32).sqrt();
+        let b: Vec<f32> = (0..n_out * rank).map(|_| rng.uniform(-sb, sb)).collect();
+        w.add_tensor(
+            &format!("{}.lora_a", t.name),
+            &[n_in as u64, rank as u64],
+            GgmlType::F16,
+            encode(GgmlType::F16, n_in, &a)?,
+        );
+        w.add_tensor(
+            &format!("{}.lora_b", t.name),
+            &[rank as u64, n_out as u64],
+            GgmlType::F16,
+            encode(GgmlType::F16, rank, &b)?,
+        );
+    }
+    Ok(w)
+}

@@ -6,6 +6,7 @@ mod fold;
 mod fuzz;
 mod gpu_kit;
 mod llama_flags;
+mod bench_lora;
 mod lora_fixtures;
 mod quality;
 mod rng;
@@ -56,6 +57,9 @@ const USAGE: &str = "usage: cargo xtask <task>
                         token ids against llama-cpp-python (TERN_PYTHON) on hard texts and
                         random strings (default vocabularies: the fixture and demo models);
                         --write records fixtures/golden/tokens_hard.json
+  bench --lora [--rank R] [--wgpu] [FILE]
+                        decode cost of a random rank-R (default 16) LoRA adapter on every
+                        matrix of FILE (default bench-0.8b Q8_0), against its share of the work
   train-demo [--no-train] [--steps N] [--no-llama] [--work DIR]
                         train the bundled demo model (PyTorch: TERN_TRAIN_PYTHON, default
                         python3, with torch, tokenizers, gguf, matplotlib), write
@@ -156,6 +160,27 @@ fn main() -> Result<()> {
             };
             if args[1..].iter().any(|a| a == "--kernels") {
                 return bench::kernels();
+            }
+            if args[1..].iter().any(|a| a == "--lora") {
+                let rest: Vec<&String> = args[1..].iter().filter(|a| *a != "--lora").collect();
+                let mut rank = 16;
+                let mut file = root.join("fixtures/bench/bench-0.8b-q8_0.gguf");
+                let mut backend = "cpu";
+                let mut it = rest.into_iter();
+                while let Some(a) = it.next() {
+                    match a.as_str() {
+                        "--rank" => {
+                            rank = match it.next().map(|s| s.parse::<usize>()) {
+                                Some(Ok(n)) if n > 0 => n,
+                                _ => bail!("--rank needs a positive number\n{USAGE}"),
+                            }
+                        }
+                        "--wgpu" => backend = "wgpu",
+                        f if !f.starts_with("--") => file = PathBuf::from(f),
+                        other => bail!("bench --lora: unknown option {other}\n{USAGE}"),
+                    }
+                }
+                return bench_lora::lora_cost(&file, backend, rank, 32);
             }
             if args[1..].iter().any(|a| a == "--engine") {
                 let rest: Vec<&String> = args[1..].iter().filter(|a| *a != "--engine").collect();
