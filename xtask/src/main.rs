@@ -21,12 +21,13 @@ use anyhow::{bail, Result};
 const USAGE: &str = "usage: cargo xtask <task>
   fixtures [--out DIR]  write the tiny golden-test GGUFs, their twins and manifest.json to fixtures/
   fixtures --bench      write fixtures/bench/bench-0.8b-{q8_0,pq2_0}.gguf (large, not committed)
-  goldens [--perplexity-only]
+  goldens [--perplexity-only | --lora-only]
                         run stock llama.cpp (llama-cpp-python) and the NumPy reference on the
                         fixtures, writing fixtures/golden/ (needs TERN_PYTHON or python3 with
                         llama-cpp-python==0.3.36, gguf, numpy), and llama-perplexity
                         (TERN_LLAMA_BIN: the directory with it) on the F16 demo model over
-                        fixtures/demo/heldout.txt (fixtures/golden/perplexity.json)
+                        fixtures/demo/heldout.txt (fixtures/golden/perplexity.json); the
+                        LoRA goldens (xtask/py/lora_goldens.py, fixtures/golden/lora)
   bench [--backend cpu,wgpu,cuda] [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
                         tern vs stock llama.cpp on the bench files (default: fixtures/bench/*);
                         GB/s of weights streamed per decoded token, and on cuda against the
@@ -122,7 +123,8 @@ fn main() -> Result<()> {
         Some("goldens") => {
             let root = workspace_root();
             let only_ppl = args[1..].iter().any(|a| a == "--perplexity-only");
-            if !only_ppl {
+            let only_lora = args[1..].iter().any(|a| a == "--lora-only");
+            if !only_ppl && !only_lora {
                 let st = std::process::Command::new(python())
                     .arg(root.join("xtask/py/goldens.py"))
                     .args(["--fixtures", "fixtures", "--out", "fixtures/golden"])
@@ -132,6 +134,20 @@ fn main() -> Result<()> {
                 if !st.success() {
                     bail!("goldens.py failed ({st})");
                 }
+            }
+            if !only_ppl {
+                // LoRA adapters on the tiny fixtures, and the server test's greedy runs.
+                let st = std::process::Command::new(python())
+                    .arg(root.join("xtask/py/lora_goldens.py"))
+                    .args(["--fixtures", "fixtures", "--out", "fixtures/golden/lora"])
+                    .current_dir(&root)
+                    .status()?;
+                if !st.success() {
+                    bail!("lora_goldens.py failed ({st})");
+                }
+            }
+            if only_lora {
+                return Ok(());
             }
             // llama-perplexity's figure on the F16 demo model over the held-out plays.
             let Ok(bin) = std::env::var("TERN_LLAMA_BIN") else {
