@@ -66,8 +66,11 @@ fn cases(has_mtp: bool) -> Vec<Case> {
 }
 
 /// `mk` makes a fresh backend per case, so a pool measures that case alone.
-fn check<B: Backend + 'static>(mk: impl Fn() -> B, kind: BackendKind, fixture: &str)
-where
+fn check<B: Backend + 'static>(
+    mk: impl Fn() -> B,
+    kind: BackendKind,
+    (fixture, adapters): (&str, &[&str]),
+) where
     B::W: 'static,
 {
     // The heap counter is process-wide: one measurement at a time.
@@ -96,10 +99,18 @@ where
                 v: GgmlType::F16,
             },
         };
-        let shape = tern::plan::boot::shape_of(&cfg, kind, c.ubatch as u64).unwrap();
+        let mut shape = tern::plan::boot::shape_of(&cfg, kind, c.ubatch as u64).unwrap();
+        let lora: Vec<_> = adapters
+            .iter()
+            .map(|a| path.parent().unwrap().join("lora").join(a))
+            .collect();
+        shape.lora = lora.clone();
         let ledger = Ledger::price(&g, &shape).unwrap();
         let be = mk();
-        let m = Model::load(&be, g.clone()).unwrap();
+        let mut m = Model::load(&be, g.clone()).unwrap();
+        for a in &lora {
+            m.add_adapter(&be, a).unwrap();
+        }
         let engine = Engine::start(m, be, tok.clone(), cfg).unwrap();
         let a = &engine.allocated;
         let table = plan::boot::table(&ledger, a);
@@ -107,6 +118,7 @@ where
         assert!(a.compute.is_some(), "compute not measured:\n{table}");
         assert!(a.kv > 0 && a.weights > 0, "nothing allocated:\n{table}");
         assert_eq!(a.draft_kv > 0, c.depth.is_some(), "{table}");
+        assert_eq!(a.lora > 0, !adapters.is_empty(), "{table}");
         assert!(
             plan::boot::agrees(&ledger, a),
             "{fixture}: the boot ledger disagrees with the projection:\n{table}"
@@ -114,11 +126,17 @@ where
     }
 }
 
-const FIXTURES: [&str; 4] = [
-    "tiny-q8_0.gguf",
-    "tiny-pq2_0.gguf",
-    "tiny-tied-q8_0.gguf",
-    "tiny-f16.gguf",
+/// Each fixture with the LoRA adapters loaded on it (their pairs priced like weights, their
+/// terms in the warm-up's compute).
+const FIXTURES: [(&str, &[&str]); 5] = [
+    ("tiny-q8_0.gguf", &[]),
+    ("tiny-pq2_0.gguf", &[]),
+    ("tiny-tied-q8_0.gguf", &[]),
+    ("tiny-f16.gguf", &[]),
+    (
+        "tiny-pq2_0.gguf",
+        &["tiny-lora-r4-f32.gguf", "tiny-lora-r8-q8_0.gguf"],
+    ),
 ];
 
 #[test]

@@ -435,11 +435,28 @@ fn accepts_the_seed_shape() {
     assert!(f.verdict.fits, "{}", f.table());
     assert_eq!(f.verdict.margin, 1024 * MIB);
     assert!(f.suggestions.is_empty());
-    // With a 3 MB adapter too.
+    // With a 4 MiB adapter too (the seeds' is 3 MB): rank-4 F16 pairs on every trunk layer's
+    // ffn_down, priced as the pairs the backend (cuda here) holds, to the byte.
+    let mut a = GgufWriter::new();
+    a.set("general.architecture", Value::String("qwen35".into()));
+    a.set("general.type", Value::String("adapter".into()));
+    a.set("adapter.type", Value::String("lora".into()));
+    a.set("adapter.lora.alpha", Value::F32(8.0));
+    let (r, mut want) = (4u64, 0u64);
+    for il in 0..B9.n_layer {
+        let name = format!("blk.{il}.ffn_down.weight");
+        a.add_sparse(&format!("{name}.lora_a"), &[B9.n_ff, r], GgmlType::F16);
+        a.add_sparse(&format!("{name}.lora_b"), &[r, B9.n_embd], GgmlType::F16);
+        // lora_b's rows are 4 wide: like a conv tap, it is decoded to f32 once at upload.
+        want += r * B9.n_ff * 2 + r * B9.n_embd * 4;
+    }
+    let path = dir().join("adapter.gguf");
+    a.write(&path).unwrap();
     let mut s = seed_shape();
-    s.lora = vec![sparse_file("adapter.gguf", 3_000_000)];
+    s.lora = vec![path];
     let f = fit(&g, &s, &Budget::mib(BUDGET_MIB)).unwrap();
-    assert_eq!(f.ledger.bytes(Term::Lora), 3_000_000);
+    assert_eq!(f.ledger.bytes(Term::Lora), want, "{}", f.table());
+    assert!(want > 4_000_000 && want < 6_000_000);
     assert!(f.verdict.fits);
 }
 
