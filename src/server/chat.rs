@@ -497,11 +497,12 @@ async fn chat_impl(
         }
     }
     let rendered = render_chat(&state, &body)?;
-    let gen = gen_params(
+    let mut gen = gen_params(
         &body,
         &state.gen_defaults(),
         &["n_predict", "max_completion_tokens", "max_tokens"],
     )?;
+    gen.lora = state.lora.for_request(&body)?;
     let ids = tokenize(&state, &rendered.prompt)?;
     check_prompt(&state, &ids)?;
     state.log(

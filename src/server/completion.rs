@@ -58,11 +58,12 @@ async fn completion_impl(
         "prompt"
     };
     let prompt = prompt_field(&body, key)?;
-    let gen = gen_params(
+    let mut gen = gen_params(
         &body,
         &state.gen_defaults(),
         &["n_predict", "max_tokens", "max_completion_tokens"],
     )?;
+    gen.lora = state.lora.for_request(&body)?;
     let return_tokens = opt_bool(&body, "return_tokens")?.unwrap_or(false);
     let (ids, prompt_text) = match prompt {
         Prompt::Text(t) => (tokenize(&state, &t)?, t),

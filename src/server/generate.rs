@@ -322,6 +322,7 @@ pub(super) fn request_of(state: &AppState, ids: Vec<u32>, gen: &GenParams) -> Re
         reasoning_budget: None,
         cache_prompt: gen.cache_prompt,
         special: state.cfg.special,
+        lora: gen.lora.clone(),
     }
 }
 
@@ -335,13 +336,20 @@ pub(super) fn ping_of(state: &AppState, gen: &GenParams) -> Option<Duration> {
 }
 
 pub(super) fn params_of(state: &AppState, gen: &GenParams) -> Value {
-    state.params_json(
+    let mut v = state.params_json(
         &gen.sampler,
         gen.max_tokens,
         &gen.stop,
         gen.stream,
         gen.ignore_eos,
-    )
+    );
+    if let Value::Object(m) = &mut v {
+        m.insert(
+            "lora".into(),
+            super::lora::LoraState::to_json(&gen.lora),
+        );
+    }
+    v
 }
 
 pub(super) fn finish_reason(f: &Finish, has_tool_calls: bool) -> &'static str {

@@ -14,6 +14,7 @@ pub mod completion;
 pub mod error;
 pub mod generate;
 pub mod listen;
+pub mod lora;
 pub mod metrics;
 pub mod request;
 pub mod routes;

@@ -169,6 +169,8 @@ pub struct GenParams {
     pub cache_prompt: bool,
     /// `sse_ping_interval` (-1 or 0: no pings).
     pub sse_ping_interval: Option<i64>,
+    /// Each LoRA adapter's scale (`lora`, else the global scales; server/lora.rs).
+    pub lora: Vec<f32>,
 }
 
 /// The server's defaults a request starts from: the model file's sampling and then the flags
@@ -268,6 +270,7 @@ pub fn gen_params(m: &Obj, d: &GenDefaults, max_keys: &[&str]) -> Result<GenPara
         },
         ignore_eos: opt_bool(m, "ignore_eos")?.unwrap_or(d.ignore_eos),
         stream: opt_bool(m, "stream")?.unwrap_or(false),
+        lora: Vec::new(),
         include_usage,
         cache_prompt: opt_bool(m, "cache_prompt")?.unwrap_or(d.cache_prompt),
         sse_ping_interval,

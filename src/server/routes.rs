@@ -42,6 +42,10 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/apply-template", post(apply_template))
+        .route(
+            "/lora-adapters",
+            get(super::lora::get_adapters).post(super::lora::post_adapters),
+        )
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), gate))
         .layer(DefaultBodyLimit::max(body_limit));

@@ -149,6 +149,8 @@ pub struct AppState {
     pub next_task: AtomicU64,
     pub started: Instant,
     incomplete: OnceLock<Arc<Vec<bool>>>,
+    /// LoRA adapters and their global scales (`/lora-adapters`).
+    pub lora: super::lora::LoraState,
 }
 
 impl AppState {
@@ -165,7 +167,13 @@ impl AppState {
             next_task: AtomicU64::new(0),
             started: Instant::now(),
             incomplete: OnceLock::new(),
+            lora: Default::default(),
         }
+    }
+
+    pub fn with_lora(mut self, lora: super::lora::LoraState) -> AppState {
+        self.lora = lora;
+        self
     }
 
     pub fn ready(&self) -> Option<&Arc<Engine>> {
