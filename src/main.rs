@@ -71,6 +71,13 @@ enum Cmd {
         mode: LogitsMode,
         #[arg(long, short = 'o')]
         out: PathBuf,
+        /// LoRA adapter at scale 1 (repeatable or comma-separated).
+        #[arg(long, value_delimiter = ',')]
+        lora: Vec<PathBuf>,
+        /// LoRA adapter with its scale, FILE:SCALE (repeatable or comma-separated); the
+        /// adapters' ids follow the order of --lora, then --lora-scaled.
+        #[arg(long, value_delimiter = ',', value_name = "FILE:SCALE")]
+        lora_scaled: Vec<tern::config::LoraScaled>,
     },
     /// Generate text from a prompt with the serving engine (the settings of `serve`).
     #[command(args_override_self = true)]
@@ -173,7 +180,16 @@ fn run() -> Result<()> {
             backend,
             mode,
             out,
+            lora,
+            lora_scaled,
         } => {
+            let adapters: Vec<tern::config::LoraScaled> = lora
+                .into_iter()
+                .map(|path| tern::config::LoraScaled { path, scale: 1.0 })
+                .chain(lora_scaled)
+                .collect();
+            let paths: Vec<PathBuf> = adapters.iter().map(|l| l.path.clone()).collect();
+            let scales: Vec<f32> = adapters.iter().map(|l| l.scale).collect();
             let file = open_file(model)?;
             let tokens = match (tokens, prompt) {
                 (Some(t), _) => t,
@@ -184,8 +200,8 @@ fn run() -> Result<()> {
                 bail!("no tokens to evaluate");
             }
             let (rows, n_vocab) = on_backend!(pick_backend(backend)?, |be| {
-                let m = Model::load(&be, file)?;
-                (logits_rows(&be, &m, &tokens, mode)?, m.cfg.n_vocab)
+                let m = tern::plan::boot::load_model(&be, file, &paths)?;
+                (logits_rows(&be, &m, &tokens, mode, &scales)?, m.cfg.n_vocab)
             });
             tern::npy::write(&out, &rows, &[tokens.len(), n_vocab])?;
             eprintln!("wrote {} [{} x {}]", out.display(), tokens.len(), n_vocab);
@@ -199,8 +215,10 @@ fn logits_rows<B: Backend>(
     m: &Model<B>,
     tokens: &[u32],
     mode: LogitsMode,
+    lora: &[f32],
 ) -> Result<Vec<f32>> {
     let mut st = m.new_state(be);
+    st.lora = lora.to_vec();
     let rows = match mode {
         LogitsMode::Prefill => be.to_host(&m.forward(be, &mut st, tokens, true)?.logits),
         LogitsMode::Decode => {

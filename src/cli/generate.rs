@@ -17,7 +17,6 @@ use crate::backend::Backend;
 use crate::config::flags::Rewritten;
 use crate::config::Settings;
 use crate::gguf::Gguf;
-use crate::model::Model;
 use crate::plan::boot;
 use crate::plan::BackendKind;
 use crate::runtime::engine::{Engine, EngineConfig, Event, Request, Threads};
@@ -88,6 +87,7 @@ pub fn run(args: &GenerateArgs, given: Rewritten) -> Result<()> {
         special: s.special.unwrap_or(false),
         stop: s.reverse_prompt.clone().unwrap_or_default(),
         threads: boot::threads(&s),
+        adapters: s.adapters(),
     };
     let file = model.file;
     match picked {
@@ -106,6 +106,8 @@ struct Job<'a> {
     special: bool,
     stop: Vec<String>,
     threads: Threads,
+    /// LoRA adapters and their scales (`--lora`, `--lora-scaled`).
+    adapters: Vec<crate::config::LoraScaled>,
 }
 
 fn generate<B: Backend + 'static>(
@@ -121,7 +123,8 @@ where
     let tok = Arc::new(Tokenizer::from_gguf(&file)?);
     let name = be.name();
     boot::read_with_progress(&file);
-    let m = Model::load(&be, file)?;
+    let paths: Vec<_> = job.adapters.iter().map(|l| l.path.clone()).collect();
+    let m = boot::load_model(&be, file, &paths)?;
     let ids = tok.encode(job.prompt, true, true)?;
     if ids.is_empty() {
         bail!("the prompt tokenizes to nothing");
@@ -141,6 +144,7 @@ where
                 stop: job.stop.clone(),
                 ignore_eos: job.ignore_eos,
                 special: job.special,
+                lora: job.adapters.iter().map(|l| l.scale).collect(),
                 ..Default::default()
             })
         })

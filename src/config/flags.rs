@@ -213,7 +213,6 @@ const NO_NGRAM: How =
     warn("only llama.cpp's n-gram drafters read it; tern drafts with the MTP head");
 const NO_TOOLS: How = refuse("tern has no built-in agent tools, MCP client or MCP proxy");
 const NO_ROUTER: How = refuse("tern serves one model: there is no router mode");
-const NO_LORA: How = refuse("tern cannot apply LoRA adapters yet");
 const NO_WEBUI_YET: How = warn("tern has no web UI yet");
 const PRESET: How =
     refuse("a preset that downloads a model; downloads are not supported, give --model");
@@ -364,7 +363,7 @@ pub const OPTIONS: &[Opt] = &[
     other(&["--check-tensors"], S, None, warn("tern checks the tensor table and types at load; the data itself is not scanned")),
     other(&["--override-kv"], V, None, refuse("tern reads the model's metadata as the file has it; overrides are not supported")),
     pair_how(&["--op-offload"], &["--no-op-offload"], None, warn("every op already runs on the backend's device"), warn("tern runs every op on the backend's device; host ops are not supported")),
-    other(&["--lora"], V, None, NO_LORA),
+    val(&["--lora"], None, "lora"),
     val(&["--lora-scaled"], None, "lora-scaled"),
     other(&["--control-vector"], V, None, refuse("tern cannot apply control vectors")),
     other(&["--control-vector-scaled"], V, None, refuse("tern cannot apply control vectors")),
@@ -441,7 +440,7 @@ pub const OPTIONS: &[Opt] = &[
         warn("tern already treats a final assistant message as complete"),
     ),
     other(&["-sps", "--slot-prompt-similarity"], V, None, warn("tern gives a request the free slot that reuses the longest prefix of its prompt")),
-    other(&["--lora-init-without-apply"], S, None, NO_LORA),
+    switch(&["--lora-init-without-apply"], None, "lora-init-without-apply"),
     other(&["--sleep-idle-seconds"], V, None, refuse("tern keeps the model loaded; idle sleep is not supported")),
     switch(&["--log-disable"], None, "log-disable"),
     val(&["--log-file"], Some("LLAMA_ARG_LOG_FILE"), "log-file"),
@@ -671,7 +670,7 @@ pub fn rewrite<S: AsRef<str>>(args: &[S]) -> Result<Rewritten, FlagError> {
                 };
                 // llama.cpp keeps the last of a repeated flag and says so (arg.cpp); tern's
                 // list-valued settings (--lora-scaled, --reverse-prompt) take every one.
-                let repeatable = matches!(key, "lora-scaled" | "reverse-prompt");
+                let repeatable = matches!(key, "lora" | "lora-scaled" | "reverse-prompt");
                 if !repeatable {
                     if let Some(prev) = seen.insert(key, name.clone()) {
                         out.notes.push(Note {
@@ -689,6 +688,14 @@ pub fn rewrite<S: AsRef<str>>(args: &[S]) -> Result<Rewritten, FlagError> {
                     }
                 }
                 out.spellings.insert(key.to_string(), name.clone());
+                if key == "lora" {
+                    // `--lora FILE[,FILE]` joins the `--lora-scaled` list at scale 1, in its
+                    // place, so the adapters keep llama-server's ids (command-line order).
+                    let scaled: Vec<String> = v.split(',').map(|f| format!("{f}:1")).collect();
+                    out.spellings.insert("lora-scaled".into(), name.clone());
+                    out.args.push(format!("--lora-scaled={}", scaled.join(",")));
+                    continue;
+                }
                 out.args.push(format!("--{key}={v}"));
             }
         }

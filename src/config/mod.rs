@@ -395,11 +395,21 @@ pub struct Settings {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mmproj: Option<PathBuf>,
-    /// LoRA adapter and its scale as one token, FILE:SCALE (repeatable or comma-separated);
-    /// only scale 0 (inert) is accepted until tern can apply adapters.
+    /// LoRA adapter and its scale as one token, FILE:SCALE (repeatable or comma-separated).
+    /// `--lora FILE` is `--lora-scaled FILE:1`, in its place among them (the adapters' ids
+    /// follow the command line's order, as llama-server numbers them).
     #[arg(long, value_name = "FILE:SCALE", value_delimiter = ',')]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lora_scaled: Option<Vec<LoraScaled>>,
+    /// YAML only: LoRA adapters at scale 1, numbered before those of `lora-scaled` (on the
+    /// command line `--lora` joins the `--lora-scaled` list in order).
+    #[arg(skip)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora: Option<Vec<PathBuf>>,
+    /// Load the LoRA adapters with every global scale at 0 (set them with POST /lora-adapters).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lora_init_without_apply: Option<bool>,
     #[arg(long, allow_negative_numbers = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub presence_penalty: Option<f32>,
@@ -764,6 +774,9 @@ impl Settings {
         for l in self.lora_scaled.iter_mut().flatten() {
             fix(&mut l.path);
         }
+        for p in self.lora.iter_mut().flatten() {
+            fix(p);
+        }
     }
 
     /// Value checks that the types alone do not make (ranges, pairs that must agree), with
@@ -899,14 +912,6 @@ impl Settings {
                 }
             }
         }
-        for l in self.lora_scaled.iter().flatten() {
-            if l.scale != 0.0 {
-                return bad(
-                    "lora-scaled",
-                    format!("{l}: not supported: tern cannot apply LoRA adapters yet (scale 0 keeps the adapter inert)"),
-                );
-            }
-        }
         if let Some(p) = &self.api_prefix {
             if !p.is_empty() && (!p.starts_with('/') || p.ends_with('/')) {
                 return bad(
@@ -972,15 +977,29 @@ impl Settings {
             ubatch_size: self.ubatch_size.unwrap_or(d.ubatch_size),
             batch_size: self.batch_size.unwrap_or(d.batch_size),
             mmproj: self.mmproj.clone(),
-            lora: self
-                .lora_scaled
-                .iter()
-                .flatten()
-                .map(|l| l.path.clone())
-                .collect(),
+            lora: self.adapters().into_iter().map(|l| l.path).collect(),
             backend: self.backend_kind(),
             margin_mib: self.margin_mib.unwrap_or(d.margin_mib),
         }
+    }
+
+    /// The LoRA adapters in id order with their boot scales: `lora` (scale 1), then
+    /// `lora-scaled`; every scale 0 with `lora-init-without-apply`.
+    pub fn adapters(&self) -> Vec<LoraScaled> {
+        let zero = self.lora_init_without_apply == Some(true);
+        self.lora
+            .iter()
+            .flatten()
+            .map(|p| LoraScaled {
+                path: p.clone(),
+                scale: 1.0,
+            })
+            .chain(self.lora_scaled.iter().flatten().cloned())
+            .map(|l| LoraScaled {
+                scale: if zero { 0.0 } else { l.scale },
+                ..l
+            })
+            .collect()
     }
 
     /// The API keys: `--api-key` (comma-separated) and the lines of `--api-key-file` that are

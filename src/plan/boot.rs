@@ -428,6 +428,19 @@ pub fn read_with_progress(file: &Gguf) {
     pb.finish_and_clear();
 }
 
+/// The model with its LoRA adapters, in id order (the planner has checked each already).
+pub fn load_model<B: crate::backend::Backend>(
+    be: &B,
+    file: Arc<Gguf>,
+    adapters: &[PathBuf],
+) -> Result<crate::model::Model<B>, crate::model::ModelError> {
+    let mut m = crate::model::Model::load(be, file)?;
+    for a in adapters {
+        m.add_adapter(be, a)?;
+    }
+    Ok(m)
+}
+
 /// The engine configuration of a settled shape.
 pub fn engine_config(shape: &Shape, s: &crate::config::Settings) -> EngineConfig {
     let spec = shape

@@ -21,7 +21,7 @@ pub mod routes;
 pub mod state;
 
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,7 +36,6 @@ use crate::backend::Backend;
 use crate::chat::ChatTemplate;
 use crate::config::{Reasoning, ReasoningFormat, Settings};
 use crate::gguf::Gguf;
-use crate::model::Model;
 use crate::plan::boot::{self as boot, OpenedModel};
 use crate::plan::{BackendKind, Ledger, Shape};
 use crate::runtime::engine::{Engine, EngineConfig, Threads};
@@ -177,16 +176,36 @@ fn start_engine<B: Backend + 'static>(
     tok: Arc<Tokenizer>,
     cfg: EngineConfig,
     threads: Threads,
+    adapters: &[PathBuf],
 ) -> Result<Engine>
 where
     B::W: 'static,
 {
     boot::read_with_progress(&file);
-    let m = Model::load(&be, file)?;
+    let m = boot::load_model(&be, file, adapters)?;
     Ok(Engine::start_with(m, be, tok, cfg, threads)?)
 }
 
 type Loader = Box<dyn FnOnce() -> Result<Engine> + Send>;
+
+/// The adapters as `/lora-adapters` lists them, with their boot scales. The planner has
+/// already read and checked each against the model.
+fn lora_state(s: &Settings) -> Result<lora::LoraState> {
+    let mut adapters = Vec::new();
+    let mut scales = Vec::new();
+    for l in s.adapters() {
+        let g = Gguf::open(&l.path)
+            .with_context(|| format!("the LoRA adapter {}", l.path.display()))?;
+        let meta = |k: &str| g.get_str(k).unwrap_or("").to_string();
+        adapters.push(lora::LoadedAdapter {
+            path: l.path.clone(),
+            task_name: meta("adapter.lora.task_name"),
+            prompt_prefix: meta("adapter.lora.prompt_prefix"),
+        });
+        scales.push(l.scale);
+    }
+    Ok(lora::LoraState::new(adapters, scales))
+}
 
 /// Everything checked and priced; the weights not loaded yet.
 pub struct Prepared {
@@ -232,8 +251,8 @@ fn check_side_files(s: &Settings) -> Result<()> {
             ),
         }
     }
-    for l in s.lora_scaled.iter().flatten() {
-        readable("LoRA adapter (--lora-scaled)", &l.path)?;
+    for l in s.adapters() {
+        readable("LoRA adapter (--lora / --lora-scaled)", &l.path)?;
     }
     Ok(())
 }
@@ -463,15 +482,18 @@ pub fn prepare(settings: Settings) -> Result<Prepared> {
         picked.name(),
         api_keys,
     )?;
-    let state = Arc::new(AppState::new(cfg, tok.clone(), template));
+    let lora = lora_state(&s)?;
+    let state = Arc::new(AppState::new(cfg, tok.clone(), template).with_lora(lora));
     let threads = boot::threads(&s);
     let file = model.file.clone();
+    let adapters: Vec<PathBuf> = s.adapters().into_iter().map(|l| l.path).collect();
     let loader: Loader = Box::new(move || {
+        let a = &adapters;
         let engine = match picked {
-            Picked::Cpu(be) => start_engine(be, file, tok, ecfg, threads),
-            Picked::Wgpu(be) => start_engine(be, file, tok, ecfg, threads),
+            Picked::Cpu(be) => start_engine(be, file, tok, ecfg, threads, a),
+            Picked::Wgpu(be) => start_engine(be, file, tok, ecfg, threads, a),
             #[cfg(feature = "cuda")]
-            Picked::Cuda(be) => start_engine(be, file, tok, ecfg, threads),
+            Picked::Cuda(be) => start_engine(be, file, tok, ecfg, threads, a),
         }?;
         boot::report(&ledger, &engine.allocated);
         Ok(engine)
