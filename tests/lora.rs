@@ -82,7 +82,12 @@ fn goldens<B: Backend>(be: &B) {
             .collect();
         let mut m = Model::open(be, fixtures().join(file)).unwrap();
         let plain = logits(be, &m, &tokens, &[]);
-        let files: Vec<String> = man["adapters"].as_object().unwrap().keys().cloned().collect();
+        let files: Vec<String> = man["adapters"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .cloned()
+            .collect();
         for f in &files {
             m.add_adapter(be, adapter_path(f)).unwrap();
         }
@@ -108,7 +113,10 @@ fn goldens<B: Backend>(be: &B) {
             let ours = logits(be, &m, &tokens, &scales);
             check_close(&what, &ours, &golden(r["golden"].as_str().unwrap()), nv);
             if scales.iter().all(|&s| s == 0.0) {
-                assert_eq!(ours, plain, "{what}: scale 0 must be the base model exactly");
+                assert_eq!(
+                    ours, plain,
+                    "{what}: scale 0 must be the base model exactly"
+                );
             }
             if let Some(mtp) = r["mtp_golden"].as_str() {
                 let hin = golden(r["mtp_h_in"].as_str().unwrap());
@@ -158,7 +166,10 @@ fn per_row_scales<B: Backend>(be: &B) {
     for (o, (want, what)) in outs.iter().zip([(&want_a, "a"), (&want_b, "b")]) {
         let got = be.to_host(&o.logits);
         let e = nmse(&got, want);
-        println!("batched sequence {what} [{}]: NMSE {e:.3e} vs alone", be.name());
+        println!(
+            "batched sequence {what} [{}]: NMSE {e:.3e} vs alone",
+            be.name()
+        );
         assert!(e <= 1e-10, "sequence {what}: NMSE {e:e}");
         assert_eq!(got.len(), want.len());
         let _ = nv;
@@ -208,7 +219,10 @@ fn refusals_name_the_file_and_tensor() {
         w.set("general.architecture", Value::String("llama".into()));
         copy_tensors(s, w, |_| true);
     }));
-    assert!(e.contains("doctored.gguf") && e.contains("llama") && e.contains("qwen35"), "{e}");
+    assert!(
+        e.contains("doctored.gguf") && e.contains("llama") && e.contains("qwen35"),
+        "{e}"
+    );
     // Not an adapter.
     let e = load(doctored(|s, w| {
         copy_meta(s, w, "general.type");
@@ -220,7 +234,10 @@ fn refusals_name_the_file_and_tensor() {
         copy_meta(s, w, "");
         copy_tensors(s, w, |n| n != "blk.3.attn_q.weight.lora_b");
     }));
-    assert!(e.contains("blk.3.attn_q.weight") && e.contains("missing one half"), "{e}");
+    assert!(
+        e.contains("blk.3.attn_q.weight") && e.contains("missing one half"),
+        "{e}"
+    );
     // A shape that does not match the base: attn_k's pair under attn_q's name.
     let e = load(doctored(|s, w| {
         copy_meta(s, w, "");

@@ -107,22 +107,25 @@ fn per_request_scales_through_the_openai_client() {
     // The ids themselves, without the client: two concurrent requests at different scales.
     let prompt = g["prompt"].clone();
     let n = g["n"].as_u64().unwrap();
-    let handles: Vec<_> = [("a0s1", json!([{"id": 0, "scale": 1.0}])), ("a1s2", json!([{"id": 1, "scale": 2.0}]))]
-        .into_iter()
-        .map(|(case, lora)| {
-            let prompt = prompt.clone();
-            std::thread::spawn(move || {
-                let r = post(
-                    addr,
-                    "/completion",
-                    &json!({"prompt": prompt, "n_predict": n, "temperature": 0,
+    let handles: Vec<_> = [
+        ("a0s1", json!([{"id": 0, "scale": 1.0}])),
+        ("a1s2", json!([{"id": 1, "scale": 2.0}])),
+    ]
+    .into_iter()
+    .map(|(case, lora)| {
+        let prompt = prompt.clone();
+        std::thread::spawn(move || {
+            let r = post(
+                addr,
+                "/completion",
+                &json!({"prompt": prompt, "n_predict": n, "temperature": 0,
                             "return_tokens": true, "lora": lora}),
-                );
-                assert_eq!(r.status, 200, "{}", r.text());
-                (case, ids(&r.json()["tokens"]))
-            })
+            );
+            assert_eq!(r.status, 200, "{}", r.text());
+            (case, ids(&r.json()["tokens"]))
         })
-        .collect();
+    })
+    .collect();
     for h in handles {
         let (case, got) = h.join().unwrap();
         let want = ids(&g["cases"][case]["tokens"]);
@@ -146,7 +149,10 @@ fn per_request_scales_through_the_openai_client() {
     )
     .unwrap();
     let out = Command::new("python3")
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2e/openai_lora.py"))
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/e2e/openai_lora.py"
+        ))
         .args(["--base-url", &format!("http://{addr}")])
         .arg("--cases")
         .arg(&cases)
@@ -168,22 +174,40 @@ fn serve_fails(extra: &[String]) -> String {
         .args(extra)
         .output()
         .expect("tern runs");
-    assert!(!out.status.success(), "tern serve {extra:?} must refuse to start");
+    assert!(
+        !out.status.success(),
+        "tern serve {extra:?} must refuse to start"
+    );
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 #[test]
 fn boot_refuses_a_bad_adapter_by_name() {
-    let e = serve_fails(&["--lora-scaled".into(), "/nonexistent/adapter.gguf:0.5".into()]);
+    let e = serve_fails(&[
+        "--lora-scaled".into(),
+        "/nonexistent/adapter.gguf:0.5".into(),
+    ]);
     assert!(e.contains("/nonexistent/adapter.gguf"), "{e}");
     // A model file is not an adapter.
-    let e = serve_fails(&["--lora".into(), fixture("tiny-f32.gguf").display().to_string()]);
-    assert!(e.contains("tiny-f32.gguf") && e.contains("general.type"), "{e}");
+    let e = serve_fails(&[
+        "--lora".into(),
+        fixture("tiny-f32.gguf").display().to_string(),
+    ]);
+    assert!(
+        e.contains("tiny-f32.gguf") && e.contains("general.type"),
+        "{e}"
+    );
     // Another geometry (the tied fixture): the adapter names a tensor it lacks or misfits.
     let out = Command::new(TERN)
         .args(["serve", "--model"])
         .arg(fixture("tiny-tied-f32.gguf"))
-        .args(["--backend", "cpu", "--port", &free_port().to_string(), "--lora"])
+        .args([
+            "--backend",
+            "cpu",
+            "--port",
+            &free_port().to_string(),
+            "--lora",
+        ])
         .arg(adapter("tiny-lora-r4-f32.gguf"))
         .output()
         .unwrap();

@@ -209,8 +209,7 @@ pub fn load_from<U: Uploader>(
     };
 
     // Bundle lora_a and lora_b by base name.
-    let mut halves: BTreeMap<String, (Option<&TensorInfo>, Option<&TensorInfo>)> =
-        BTreeMap::new();
+    let mut halves: BTreeMap<String, (Option<&TensorInfo>, Option<&TensorInfo>)> = BTreeMap::new();
     for t in file.tensors() {
         if let Some(b) = t.name.strip_suffix(".lora_a") {
             halves.entry(b.to_string()).or_default().0 = Some(t);
@@ -235,7 +234,10 @@ pub fn load_from<U: Uploader>(
     let mut unused = Vec::new();
     for (name, (a, b)) in halves {
         let (Some(a), Some(b)) = (a, b) else {
-            return Err(tensor_err(&name, "the LoRA pair is missing one half".into()));
+            return Err(tensor_err(
+                &name,
+                "the LoRA pair is missing one half".into(),
+            ));
         };
         if name.ends_with("token_embd.weight") {
             return Err(tensor_err(
@@ -251,7 +253,10 @@ pub fn load_from<U: Uploader>(
         };
         for h in [a, b] {
             if h.dims.len() != 2 {
-                return Err(tensor_err(&h.name, format!("is not a matrix ({:?})", h.dims)));
+                return Err(tensor_err(
+                    &h.name,
+                    format!("is not a matrix ({:?})", h.dims),
+                ));
             }
             if !pair_type_ok(h.ty) {
                 return Err(tensor_err(

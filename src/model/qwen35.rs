@@ -251,13 +251,7 @@ impl<B: Backend> Model<B> {
     }
 
     /// `mm` of one input by several weights (the fold's transform shared, `matmul_many`).
-    fn mm_many(
-        &self,
-        be: &B,
-        ws: &[(Site, &B::W)],
-        x: &B::T,
-        lora: &RowScales,
-    ) -> Vec<B::T> {
+    fn mm_many(&self, be: &B, ws: &[(Site, &B::W)], x: &B::T, lora: &RowScales) -> Vec<B::T> {
         let mut ys = be.matmul_many(&ws.iter().map(|w| w.1).collect::<Vec<_>>(), x);
         for (y, (site, _)) in ys.iter_mut().zip(ws) {
             self.lora_terms(be, *site, y, x, lora);
@@ -436,7 +430,10 @@ impl<B: Backend> Model<B> {
         let emb = be.embed(mtp.embed.as_ref().unwrap_or(&self.w.token_embd), tokens);
         let e = be.rms_norm(&emb, &mtp.enorm, eps);
         let hh = be.rms_norm(h_prev, &mtp.hnorm, eps);
-        let batch = Batch::one(tokens, RowScales::new(self.adapters.len(), [st.lora.as_slice()], [tokens.len()]));
+        let batch = Batch::one(
+            tokens,
+            RowScales::new(self.adapters.len(), [st.lora.as_slice()], [tokens.len()]),
+        );
         let mut c = self.mm(
             be,
             Site::EhProj,
@@ -591,7 +588,10 @@ impl RowScales {
         let mut per_adapter = vec![Vec::new(); n_adapters];
         for (scales, n) in items.into_iter().zip(rows) {
             for (a, col) in per_adapter.iter_mut().enumerate() {
-                col.extend(std::iter::repeat_n(scales.get(a).copied().unwrap_or(0.0), n));
+                col.extend(std::iter::repeat_n(
+                    scales.get(a).copied().unwrap_or(0.0),
+                    n,
+                ));
             }
         }
         RowScales {

@@ -344,10 +344,7 @@ pub(super) fn params_of(state: &AppState, gen: &GenParams) -> Value {
         gen.ignore_eos,
     );
     if let Value::Object(m) = &mut v {
-        m.insert(
-            "lora".into(),
-            super::lora::LoraState::to_json(&gen.lora),
-        );
+        m.insert("lora".into(), super::lora::LoraState::to_json(&gen.lora));
     }
     v
 }

@@ -43,7 +43,10 @@ impl LoraState {
     }
 
     pub fn global(&self) -> Vec<f32> {
-        self.scales.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.scales
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// The scales a request runs with.

@@ -11,7 +11,9 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
+import urllib.error
+import urllib.request
+
 import openai
 
 
@@ -24,6 +26,36 @@ def check(cond, what):
 check.failed = False
 
 
+class Resp:
+    def __init__(self, status_code, text):
+        self.status_code, self.text = status_code, text
+
+    def json(self):
+        return json.loads(self.text)
+
+
+class Http:
+    """GET and POST of JSON with the standard library (the client's own HTTP stack is private)."""
+
+    def __init__(self, base):
+        self.base = base
+
+    def _do(self, req):
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return Resp(r.status, r.read().decode())
+        except urllib.error.HTTPError as e:
+            return Resp(e.code, e.read().decode())
+
+    def get(self, path):
+        return self._do(urllib.request.Request(self.base + path))
+
+    def post(self, path, json=None):
+        body = __import__("json").dumps(json).encode()
+        return self._do(urllib.request.Request(self.base + path, data=body, method="POST",
+                                               headers={"Content-Type": "application/json"}))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--base-url", required=True)
@@ -31,7 +63,7 @@ def main():
     a = ap.parse_args()
     cases = json.loads(open(a.cases).read())
     client = openai.OpenAI(base_url=a.base_url + "/v1", api_key="none")
-    http = httpx.Client(base_url=a.base_url, timeout=60)
+    http = Http(a.base_url)
 
     def complete(lora):
         extra = {} if lora is None else {"lora": lora}

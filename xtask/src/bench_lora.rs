@@ -88,8 +88,8 @@ pub fn lora_cost(file: &Path, backend: &str, rank: usize, decode: usize) -> Resu
                     .submit(req.clone())
                     .collect()
                     .map_err(|e| anyhow!("{e}"))?;
-                best = best
-                    .max(f.completion_tokens as f64 / (f.timings.predicted_ms / 1e3).max(1e-9));
+                best =
+                    best.max(f.completion_tokens as f64 / (f.timings.predicted_ms / 1e3).max(1e-9));
             }
             Ok(best)
         }
@@ -136,10 +136,7 @@ pub fn lora_cost(file: &Path, backend: &str, rank: usize, decode: usize) -> Resu
         "    adapter at scale 0    {zero:>8.2}  ({:.3}x)",
         zero / none
     );
-    println!(
-        "    adapter at scale 1    {one:>8.2}  ({:.3}x)",
-        one / none
-    );
+    println!("    adapter at scale 1    {one:>8.2}  ({:.3}x)", one / none);
     println!(
         "  the adapter's share: {:.2}% of the bytes read per token, {:.2}% of the FLOPs \
          (expected decode ratio ~{:.3}x)",

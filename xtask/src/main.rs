@@ -1,12 +1,12 @@
 //! Project tasks: `cargo xtask <task>`.
 
 mod bench;
+mod bench_lora;
 mod fixtures;
 mod fold;
 mod fuzz;
 mod gpu_kit;
 mod llama_flags;
-mod bench_lora;
 mod lora_fixtures;
 mod quality;
 mod rng;

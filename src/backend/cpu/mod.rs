@@ -524,7 +524,11 @@ impl Backend for CpuBackend {
     }
 
     fn add_scaled_rows(&self, y: &mut Tensor, x: &Tensor, scales: &[f32]) {
-        assert_eq!((y.rows, y.cols), (x.rows, x.cols), "add_scaled_rows: shapes");
+        assert_eq!(
+            (y.rows, y.cols),
+            (x.rows, x.cols),
+            "add_scaled_rows: shapes"
+        );
         assert_eq!(scales.len(), y.rows, "add_scaled_rows: one scale per row");
         let cols = y.cols.max(1);
         y.data

@@ -41,7 +41,11 @@ pub fn add_scaled_rows<D: Device>(
     x: &Tensor<D>,
     scales: &[f32],
 ) {
-    assert_eq!((y.rows, y.cols), (x.rows, x.cols), "add_scaled_rows: shapes");
+    assert_eq!(
+        (y.rows, y.cols),
+        (x.rows, x.cols),
+        "add_scaled_rows: shapes"
+    );
     assert_eq!(scales.len(), y.rows, "add_scaled_rows: one scale per row");
     if y.is_empty() {
         return;
