@@ -28,7 +28,7 @@ fn manifest() -> serde_json::Value {
 }
 
 fn golden(name: &str) -> Vec<f32> {
-    tern::npy::read(&fixtures().join("golden/lora").join(name))
+    tern::npy::read(fixtures().join("golden/lora").join(name))
         .unwrap_or_else(|e| panic!("{name}: {e}"))
         .0
 }

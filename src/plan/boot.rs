@@ -154,7 +154,7 @@ pub enum BootError {
     Price {
         what: String,
         #[source]
-        source: PlanError,
+        source: Box<PlanError>,
     },
     #[error("{which}: {ty} is not a cache type the planner prices")]
     CacheType { which: &'static str, ty: String },
@@ -317,9 +317,9 @@ pub fn plan(
     device_mib: Option<u64>,
     what: &str,
 ) -> Result<Ledger, BootError> {
-    let price_err = |source| BootError::Price {
+    let price_err = |source: PlanError| BootError::Price {
         what: what.to_string(),
-        source,
+        source: Box::new(source),
     };
     match Budget::resolve(shape.backend, device_mib) {
         Ok(budget) => {

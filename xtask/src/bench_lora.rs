@@ -100,6 +100,7 @@ pub fn lora_cost(file: &Path, backend: &str, rank: usize, decode: usize) -> Resu
             stop: vec![],
             ignore_eos: true,
             lora: if with_adapter { vec![scale] } else { vec![] },
+            ..Default::default()
         };
         let a = with_adapter.then_some(adapter.as_path());
         match backend {

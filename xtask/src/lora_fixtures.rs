@@ -80,7 +80,7 @@ pub fn adapter(spec: &AdapterSpec) -> Result<GgufWriter> {
         let sb = 0.05 / (r as f32).sqrt();
         let b: Vec<f32> = (0..n_out * r).map(|_| rng.uniform(-sb, sb)).collect();
         let a_ty = spec.ty;
-        let b_ty = if r % a_ty.block_size() == 0 {
+        let b_ty = if r.is_multiple_of(a_ty.block_size()) {
             a_ty
         } else {
             GgmlType::F32
