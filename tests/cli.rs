@@ -166,7 +166,7 @@ fn errors_print_no_backtrace() {
         vec!["inspect", "--model", "/nonexistent/m.gguf"],
         vec!["generate", "-p", "x", "-hf", "unsloth/whatever"],
         vec!["serve", "--no-jinja"],
-        vec!["config", "--print", "--lora-scaled", "a.gguf:1"],
+        vec!["config", "--print", "--lora-scaled", "a.gguf:x"],
     ] {
         let out = tern()
             .args(&args)
