@@ -310,3 +310,169 @@ fn cancel_frees_the_slot_and_stop_strings_end_text() {
     );
     assert_eq!(t2, text[..text.find(&stop).unwrap()]);
 }
+
+fn grammars(file: &str) -> tern::runtime::constraint::Grammars {
+    let g = Gguf::open(path(file)).unwrap();
+    tern::runtime::constraint::Grammars::new(Arc::new(Tokenizer::from_gguf(&g).unwrap())).unwrap()
+}
+
+/// Under a JSON schema the masks (computed while the forward runs, drafts checked against
+/// them) keep greedy output identical with MTP drafting on and off, on the trained demo model
+/// and on a random-weight fixture, and the output is a prefix of valid JSON.
+#[test]
+fn constrained_greedy_is_identical_with_drafting_on_and_off() {
+    use tern::runtime::constraint::GrammarSpec;
+    let schema = serde_json::json!({"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "kind": {"enum": ["lord", "lady", "fool"]},
+        "lines": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}},
+        "required": ["name", "kind", "lines"]});
+    for file in ["demo/demo-q8_0.gguf", "tiny-q8_0.gguf"] {
+        let gr = grammars(file);
+        let spec = GrammarSpec::JsonSchema(schema.clone());
+        let mut outs = Vec::new();
+        for draft in [None, Some(2), Some(3)] {
+            let sp = draft.map(|n_max| SpecConfig {
+                n_max,
+                n_min: 0,
+                p_min: 0.0,
+            });
+            let e = engine(common::cpu(), file, cfg(2, sp)).unwrap();
+            let g = Gguf::open(path(file)).unwrap();
+            let tok = Tokenizer::from_gguf(&g).unwrap();
+            let prompt = tok.encode("Enter the king: ", false, true).unwrap();
+            let mut r = req(prompt, 120);
+            r.ignore_eos = false;
+            r.constraint = Some(gr.compile(&spec, false).unwrap());
+            let (ids, text, fin) = e.submit(r).collect().unwrap();
+            println!("{file} drafting {draft:?}: {fin:?}\n{text}");
+            if draft.is_some() {
+                assert!(fin.timings.draft_n > 0, "drafting ran");
+            }
+            if fin.reason == FinishReason::Stop {
+                let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                assert!(v["lines"].is_array() && v["kind"].is_string(), "{v}");
+            }
+            outs.push(ids);
+        }
+        assert_eq!(
+            outs[0], outs[1],
+            "{file}: drafting (2) changed constrained output"
+        );
+        assert_eq!(
+            outs[0], outs[2],
+            "{file}: drafting (3) changed constrained output"
+        );
+    }
+}
+
+/// n = 3: the prompt runs once and the state is forked; greedy choices agree with the request
+/// run alone, seeded choices are reproducible and differ from each other.
+#[test]
+fn n_choices_share_one_prefill() {
+    let e = engine(
+        common::cpu(),
+        "tiny-q8_0.gguf",
+        cfg(3, Some(SpecConfig::default())),
+    )
+    .unwrap();
+    let p = prompts()[3].clone();
+    let mut r = req(p.clone(), 20);
+    r.n = 3;
+    let before = e.metrics().prompt_tokens_total;
+    let outs = e.submit(r).collect_all().unwrap();
+    assert_eq!(outs.len(), 3);
+    let want = alone(&common::cpu(), "tiny-q8_0.gguf", &p, 20);
+    for (c, (ids, _, f)) in outs.iter().enumerate() {
+        assert_eq!(f.choice, c);
+        assert_eq!(ids, &want, "greedy choice {c}");
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert_eq!(
+        e.metrics().prompt_tokens_total - before,
+        p.len() as u64,
+        "one prefill"
+    );
+    let sampled = |seed: u64| {
+        let mut r = req(p.clone(), 24);
+        r.n = 3;
+        r.sampler = SamplerConfig {
+            temperature: 1.5,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed,
+            ..Default::default()
+        };
+        e.submit(r)
+            .collect_all()
+            .unwrap()
+            .into_iter()
+            .map(|o| o.0)
+            .collect::<Vec<_>>()
+    };
+    let a = sampled(11);
+    assert_eq!(a, sampled(11), "seeded choices are reproducible");
+    assert!(a[0] != a[1] || a[1] != a[2], "choices draw differently");
+    let mut r = req(p, 4);
+    r.n = 4;
+    assert!(matches!(
+        e.submit(r).collect_all(),
+        Err(EngineError::TooManyChoices { n: 4, parallel: 3 })
+    ));
+}
+
+/// A -inf bias bans a token over 200 sampled tokens; reported probabilities are sorted, sum to
+/// at most 1 and carry the sampled token's own.
+#[test]
+fn logit_bias_bans_and_probabilities_are_reported() {
+    use tern::runtime::sampler::ProbsRequest;
+    let e = engine(common::cpu(), "tiny-q8_0.gguf", cfg(1, None)).unwrap();
+    let p = prompts()[0].clone();
+    let sampler = SamplerConfig {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        seed: 3,
+        ..Default::default()
+    };
+    // The most frequent token of an unbiased run is the one to ban.
+    let mut r = req(p.clone(), 200);
+    r.sampler = sampler.clone();
+    let (ids, _, _) = e.submit(r).collect().unwrap();
+    let mut counts = std::collections::HashMap::new();
+    for &t in &ids {
+        *counts.entry(t).or_insert(0) += 1;
+    }
+    let (&banned, &n) = counts.iter().max_by_key(|(_, &n)| n).unwrap();
+    assert!(n > 1);
+    let mut r = req(p, 200);
+    r.sampler = SamplerConfig {
+        logit_bias: vec![(banned, f32::NEG_INFINITY)],
+        ..sampler
+    };
+    r.probs = Some(ProbsRequest {
+        n: 5,
+        post_sampling: false,
+    });
+    let h = e.submit(r);
+    let mut n_tok = 0;
+    for ev in h.events.iter() {
+        match ev {
+            Event::Token { id, probs, .. } => {
+                n_tok += 1;
+                assert_ne!(id, banned, "a banned token was emitted");
+                let p = probs.expect("probabilities were asked for");
+                assert_eq!(p.top.len(), 5);
+                assert!(p.top.windows(2).all(|w| w[0].p >= w[1].p), "sorted");
+                assert!(p.top.iter().map(|t| t.p).sum::<f32>() <= 1.0 + 1e-6);
+                assert!(p.p > 0.0 && p.p <= 1.0);
+            }
+            Event::Done(_) => break,
+            Event::Error(e) => panic!("{e}"),
+            _ => {}
+        }
+    }
+    assert_eq!(n_tok, 200);
+}

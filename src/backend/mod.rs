@@ -287,6 +287,9 @@ pub trait Backend: Send + Sync {
     fn kv_reserve(&self, kv: &mut Self::Kv, positions: usize) -> Result<(), BackendError>;
     /// Drops cached positions `>= len` (rollback and prefix reuse).
     fn kv_truncate(&self, kv: &mut Self::Kv, len: usize);
+    /// Makes `to` hold what `from` holds (same geometry and dtypes): the runtime forks one
+    /// prompt's state into the slots of a request's other choices (`n > 1`).
+    fn kv_copy(&self, from: &Self::Kv, to: &mut Self::Kv);
     /// The gated attention core for rows at positions `pos0..pos0+rows`: splits `qg` into q and
     /// gate per head, q/k RMSNorm, partial NEOX (IMROPE) RoPE, appends k/v to the cache,
     /// causal grouped-GQA softmax attention, sigmoid gate. Returns `[rows, n_head*head_dim]`

@@ -158,11 +158,11 @@ where
         // Streams as the tokens arrive (the other slots keep decoding meanwhile).
         let fin = loop {
             match h.events.recv() {
-                Ok(Event::Token { text, .. }) | Ok(Event::Text(text)) => {
+                Ok(Event::Token { text, .. }) | Ok(Event::Text { text, .. }) => {
                     stdout.write_all(text.as_bytes())?;
                     stdout.flush()?;
                 }
-                Ok(Event::Started { .. }) => {}
+                Ok(Event::Started { .. }) | Ok(Event::Embedding(_)) => {}
                 Ok(Event::Done(f)) => break f,
                 Ok(Event::Error(e)) => bail!("{e}"),
                 Err(_) => bail!("the engine stopped"),

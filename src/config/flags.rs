@@ -187,16 +187,21 @@ const NO_HOST_CACHE: How = warn(
     "tern keeps no host-memory prompt cache; each slot keeps its own state until it is reused",
 );
 const FIXED_CHAIN: How = refuse(
-    "tern's sampler chain is fixed: penalties, top-k, top-p, min-p, temperature (llama.cpp's default order)",
+    "tern's sampler chain is fixed in llama.cpp's default order (penalties, DRY, top-n-sigma, top-k, typical, top-p, min-p, XTC, temperature)",
 );
-const NO_DRY: How = refuse("tern has no DRY sampler");
-const NO_XTC: How = refuse("tern has no XTC sampler");
-const NO_MIROSTAT: How = refuse("tern has no Mirostat sampler");
-const NO_DYNATEMP: How = refuse("tern has no dynamic-temperature sampler");
+const NO_DRY: How = refuse("a server-wide DRY default is not implemented; requests set dry_*");
+const NO_XTC: How = refuse("a server-wide XTC default is not implemented; requests set xtc_*");
+const NO_MIROSTAT: How =
+    refuse("a server-wide Mirostat default is not implemented; requests set mirostat*");
+const NO_DYNATEMP: How =
+    refuse("a server-wide dynamic-temperature default is not implemented; requests set dynatemp_*");
 const NO_ADAPTIVE: How = refuse("tern has no adaptive-p sampler");
-const NO_GRAMMAR: How = refuse("tern has no grammar- or schema-constrained sampling");
-const NO_EMBEDDINGS: How = refuse("tern serves text generation only: no embeddings or reranking");
-const NO_EMBEDDINGS_WARN: How = warn("tern serves no embeddings");
+const NO_GRAMMAR: How = refuse(
+    "a server-wide grammar is not implemented; requests set grammar, json_schema or response_format",
+);
+const NO_RERANK: How = refuse("tern has no reranking (it serves embeddings with --embeddings)");
+const NO_EMBEDDINGS_WARN: How =
+    warn("requests set embd_normalize (default 2, L2); a server-wide default is not implemented");
 const NO_ROPE: How = refuse("tern runs the model's own RoPE; RoPE/YaRN scaling is not implemented");
 const NO_VISION: How =
     warn("tern cannot run vision projectors yet: requests with image parts get a 400");
@@ -276,10 +281,10 @@ pub const OPTIONS: &[Opt] = &[
     val(&["--top-k"], Some("LLAMA_ARG_TOP_K"), "top-k"),
     val(&["--top-p"], Some("LLAMA_ARG_TOP_P"), "top-p"),
     val(&["--min-p"], Some("LLAMA_ARG_MIN_P"), "min-p"),
-    other(&["--top-nsigma", "--top-n-sigma"], V, None, refuse("tern has no top-n-sigma sampler")),
+    other(&["--top-nsigma", "--top-n-sigma"], V, None, refuse("a server-wide top-n-sigma default is not implemented; requests set top_n_sigma")),
     other(&["--xtc-probability"], V, None, NO_XTC),
     other(&["--xtc-threshold"], V, None, NO_XTC),
-    other(&["--typical", "--typical-p"], V, None, refuse("tern has no locally typical sampler")),
+    other(&["--typical", "--typical-p"], V, None, refuse("a server-wide typical-p default is not implemented; requests set typical_p")),
     val(&["--repeat-last-n"], None, "repeat-last-n"),
     val(&["--repeat-penalty"], Some("LLAMA_ARG_REPEAT_PENALTY"), "repeat-penalty"),
     val(&["--presence-penalty"], Some("LLAMA_ARG_PRESENCE_PENALTY"), "presence-penalty"),
@@ -302,7 +307,7 @@ pub const OPTIONS: &[Opt] = &[
     other(&["-j", "--json-schema"], V, None, NO_GRAMMAR),
     other(&["-jf", "--json-schema-file"], V, None, NO_GRAMMAR),
     other(&["-bs", "--backend-sampling"], S, Some("LLAMA_ARG_BACKEND_SAMPLING"), warn("tern samples on the host; a greedy pick is already made on the device")),
-    other(&["--pooling"], V, Some("LLAMA_ARG_POOLING"), NO_EMBEDDINGS),
+    val(&["--pooling"], Some("LLAMA_ARG_POOLING"), "pooling"),
     other(&["--rope-scaling"], V, Some("LLAMA_ARG_ROPE_SCALING_TYPE"), NO_ROPE),
     other(&["--rope-scale"], V, Some("LLAMA_ARG_ROPE_SCALE"), NO_ROPE),
     other(&["--rope-freq-base"], V, Some("LLAMA_ARG_ROPE_FREQ_BASE"), NO_ROPE),
@@ -395,8 +400,8 @@ pub const OPTIONS: &[Opt] = &[
     other(&["--mcp-servers-json"], V, Some("LLAMA_ARG_MCP_SERVERS_JSON"), NO_TOOLS),
     pair_how(&["-ag", "--agent"], &["-no-ag", "--no-agent"], Some("LLAMA_ARG_AGENT"), NO_TOOLS, warn("tern has no agent tools to turn off")),
     pair(&["--ui", "--webui"], &["--no-ui", "--no-webui"], Some("LLAMA_ARG_UI"), "webui"),
-    other(&["--embedding", "--embeddings"], S, Some("LLAMA_ARG_EMBEDDINGS"), NO_EMBEDDINGS),
-    other(&["--rerank", "--reranking"], S, Some("LLAMA_ARG_RERANKING"), NO_EMBEDDINGS),
+    switch(&["--embedding", "--embeddings"], Some("LLAMA_ARG_EMBEDDINGS"), "embeddings"),
+    other(&["--rerank", "--reranking"], S, Some("LLAMA_ARG_RERANKING"), NO_RERANK),
     val(&["--api-key"], Some("LLAMA_API_KEY"), "api-key"),
     val(&["--api-key-file"], Some("LLAMA_ARG_API_KEY_FILE"), "api-key-file"),
     other(&["--ssl-key-file"], V, Some("LLAMA_ARG_SSL_KEY_FILE"), refuse("tern serves plain HTTP; terminate TLS in front of it")),

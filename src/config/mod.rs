@@ -367,6 +367,14 @@ pub struct Settings {
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics: Option<bool>,
+    /// Serve /v1/embeddings and /embedding.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub embeddings: Option<bool>,
+    /// How an embedding pools the prompt's rows (default last, qwen35's).
+    #[arg(long, value_enum)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pooling: Option<crate::runtime::engine::Pooling>,
     /// Serve /slots (default true; --no-slots answers 501).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -1306,7 +1314,8 @@ pub fn default_of(key: &str) -> &'static str {
         "reasoning-budget" => "-1 (unrestricted)",
         "reasoning-preserve" => "true",
         "metrics" | "props" | "skip-chat-parsing" | "ignore-eos" | "special" | "verbose"
-        | "log-disable" => "false",
+        | "log-disable" | "embeddings" => "false",
+        "pooling" => "last",
         "slots" | "webui" | "cache-prompt" | "cors-credentials" | "log-timestamps"
         | "log-prefix" => "true",
         "timeout" => "3600",

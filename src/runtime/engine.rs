@@ -15,7 +15,8 @@ use crate::model::{BatchItem, Model, ModelError};
 use crate::tokenizer::Tokenizer;
 
 use super::budget::BudgetConfig;
-use super::sampler::{Sampler, SamplerConfig};
+use super::constraint::{Constraint, Masks};
+use super::sampler::{ProbsRequest, Sampler, SamplerConfig, TokenProbs};
 use super::speculative::{SlotDecoder, SpecConfig, SpecStats};
 
 #[derive(Clone, Debug, thiserror::Error, PartialEq)]
@@ -34,6 +35,10 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("bad sampling parameters: {0}")]
     Sampling(String),
+    #[error("n = {n} choices need {n} slots; this server has {parallel}")]
+    TooManyChoices { n: usize, parallel: usize },
+    #[error("grammar: {0}")]
+    Grammar(String),
     #[error("model error: {0}")]
     Model(String),
     #[error("the engine has stopped")]
@@ -114,6 +119,33 @@ pub struct Request {
     /// Scale of each loaded LoRA adapter, in load order (empty: every adapter at 0). The server
     /// resolves llama-server's rules (a request's `lora` list, else the global scales) into it.
     pub lora: Vec<f32>,
+    /// The grammar the output keeps to.
+    pub constraint: Option<Constraint>,
+    /// Report each token's probabilities (`n_probs`, `logprobs`).
+    pub probs: Option<ProbsRequest>,
+    /// Choices: the prompt runs once on one slot, whose state is then copied to `n - 1` more;
+    /// choice i draws with seed `seed + i`.
+    pub n: usize,
+    /// Embed the prompt instead of generating: the slot runs it and sends
+    /// [`Event::Embedding`] (pooled as given), then `Done` with no completion.
+    pub embed: Option<Pooling>,
+}
+
+/// How a prompt's rows (the hidden state after the output norm, llama.cpp's `t_embd`) become
+/// its embedding (`--pooling`).
+#[derive(
+    Copy, Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Pooling {
+    /// Every row, unpooled.
+    None,
+    /// The mean of the rows.
+    Mean,
+    /// The first row.
+    Cls,
+    /// The last row (qwen35's default: a causal model's summary of the whole prompt).
+    Last,
 }
 
 impl Default for Request {
@@ -128,6 +160,10 @@ impl Default for Request {
             cache_prompt: true,
             special: false,
             lora: Vec::new(),
+            constraint: None,
+            probs: None,
+            n: 1,
+            embed: None,
         }
     }
 }
@@ -162,6 +198,8 @@ pub enum FinishReason {
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Finish {
+    /// Which choice (0 unless the request asked for n > 1).
+    pub choice: usize,
     pub reason: FinishReason,
     pub stop_word: Option<String>,
     pub prompt_tokens: usize,
@@ -172,18 +210,30 @@ pub struct Finish {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
-    /// The request has a slot; `cached_tokens` of its prompt were reused from the slot.
+    /// The request has a slot (its first choice's); `cached_tokens` of its prompt were reused
+    /// from the slot; `choices` Done events will follow.
     Started {
         slot: usize,
         cached_tokens: usize,
+        choices: usize,
     },
-    /// A generated token and the text it completes (stop-string-safe, whole UTF-8).
+    /// A generated token and the text it completes (stop-string-safe, whole UTF-8), with its
+    /// probabilities when the request asked for them.
     Token {
+        choice: usize,
         id: u32,
         text: String,
+        probs: Option<TokenProbs>,
     },
     /// Text held back (for a stop string that never came), released at the end.
-    Text(String),
+    Text {
+        choice: usize,
+        text: String,
+    },
+    /// The prompt's embedding rows (one pooled row, or every row with [`Pooling::None`]),
+    /// before any normalization; `Done` follows.
+    Embedding(Vec<Vec<f32>>),
+    /// One choice has ended (a request with n choices sends n of these).
     Done(Finish),
     Error(EngineError),
 }
@@ -199,19 +249,51 @@ impl RequestHandle {
         self.cancel.store(true, Ordering::Relaxed);
     }
 
-    /// Waits for the whole result: the tokens, the text and how it ended.
+    /// Waits for the whole result: the tokens, the text and how it ended (a request with one
+    /// choice).
     pub fn collect(self) -> Result<(Vec<u32>, String, Finish), EngineError> {
-        let (mut ids, mut text) = (Vec::new(), String::new());
+        self.collect_all()?
+            .into_iter()
+            .next()
+            .ok_or(EngineError::Stopped)
+    }
+
+    /// Waits for every choice: per choice, the tokens, the text and how it ended.
+    pub fn collect_all(self) -> Result<Vec<(Vec<u32>, String, Finish)>, EngineError> {
+        let mut out: Vec<(Vec<u32>, String, Option<Finish>)> = Vec::new();
+        let grow = |out: &mut Vec<(Vec<u32>, String, Option<Finish>)>, c: usize| {
+            while out.len() <= c {
+                out.push((Vec::new(), String::new(), None));
+            }
+        };
+        let mut n = 1;
         for ev in self.events.iter() {
             match ev {
-                Event::Started { .. } => {}
-                Event::Text(t) => text.push_str(&t),
-                Event::Token { id, text: t } => {
-                    ids.push(id);
-                    text.push_str(&t);
+                Event::Started { choices, .. } => n = choices,
+                Event::Text { choice, text } => {
+                    grow(&mut out, choice);
+                    out[choice].1.push_str(&text);
                 }
-                Event::Done(f) => return Ok((ids, text, f)),
+                Event::Token {
+                    choice, id, text, ..
+                } => {
+                    grow(&mut out, choice);
+                    out[choice].0.push(id);
+                    out[choice].1.push_str(&text);
+                }
+                Event::Done(f) => {
+                    grow(&mut out, f.choice);
+                    let c = f.choice;
+                    out[c].2 = Some(f);
+                    if out.iter().filter(|o| o.2.is_some()).count() >= n {
+                        return Ok(out
+                            .into_iter()
+                            .map(|(a, b, f)| (a, b, f.expect("every choice is done")))
+                            .collect());
+                    }
+                }
                 Event::Error(e) => return Err(e),
+                Event::Embedding(_) => {}
             }
         }
         Err(EngineError::Stopped)
@@ -253,11 +335,18 @@ enum Phase {
     Prefill {
         next: usize,
     },
+    /// A choice of a request whose prompt another slot runs; it starts from a copy of that
+    /// slot's state when the prompt is in.
+    Forked,
     Decode,
 }
 
 struct Task {
     req: Request,
+    /// Which choice this slot generates, and (on the slot running the prompt) the slots of
+    /// the other choices.
+    choice: usize,
+    forks: Vec<usize>,
     tx: Sender<Event>,
     cancel: Arc<AtomicBool>,
     phase: Phase,
@@ -270,6 +359,8 @@ struct Task {
     t_decode: Option<Instant>,
     prompt_ms: f64,
     stats_at_start: SpecStats,
+    /// An embedding request's rows so far (the sum for mean pooling).
+    embd: Vec<Vec<f32>>,
 }
 
 /// The recurrent state, MTP hidden and positions at the end of the last prompt: where a
@@ -912,22 +1003,45 @@ impl<B: Backend> Worker<B> {
                 continue;
             }
             let lora = self.lora_scales(&sub.req.lora).unwrap_or_default();
-            // The free slot that reuses the most of this prompt.
+            let n = sub.req.n.max(1);
+            if n > self.slots.len() {
+                let sub = self.queue.pop_front().unwrap();
+                let _ = sub.tx.send(Event::Error(EngineError::TooManyChoices {
+                    n,
+                    parallel: self.slots.len(),
+                }));
+                continue;
+            }
+            // The free slot that reuses the most of this prompt runs it; n - 1 more wait for
+            // its state.
             let free: Vec<usize> = (0..self.slots.len())
                 .filter(|&i| self.slots[i].task.is_none())
                 .collect();
+            if free.len() < n {
+                return;
+            }
             let Some(&best) = free
                 .iter()
                 .max_by_key(|&&i| (self.reusable(i, &sub.req.prompt, &lora), usize::MAX - i))
             else {
                 return;
             };
+            let forks: Vec<usize> = free
+                .iter()
+                .copied()
+                .filter(|&i| i != best)
+                .take(n - 1)
+                .collect();
             let sub = self.queue.pop_front().unwrap();
-            let reuse = if sub.req.cache_prompt {
+            let mut reuse = if sub.req.cache_prompt {
                 self.reusable(best, &sub.req.prompt, &lora)
             } else {
                 0
             };
+            // Pooling over rows needs every row of this prompt computed afresh.
+            if sub.req.embed.is_some_and(|p| p != Pooling::Last) {
+                reuse = 0;
+            }
             if reuse == 0 {
                 self.reset_slot(best);
             } else {
@@ -938,28 +1052,91 @@ impl<B: Backend> Worker<B> {
                 m.state.lora = lora.clone();
             }
             slot.dec.seq.lora = lora;
-            slot.dec.sampler =
-                Sampler::new(sub.req.sampler.clone()).with_budget(sub.req.reasoning_budget.clone());
-            slot.dec.last = None;
             let _ = sub.tx.send(Event::Started {
                 slot: best,
                 cached_tokens: reuse,
+                choices: n,
             });
-            slot.task = Some(Task {
-                req: sub.req,
-                tx: sub.tx,
-                cancel: sub.cancel,
-                phase: Phase::Prefill { next: reuse },
-                cached: reuse,
-                generated: Vec::new(),
-                bytes: Vec::new(),
-                sent: 0,
-                t_start: Instant::now(),
-                t_decode: None,
-                prompt_ms: 0.0,
-                stats_at_start: slot.dec.stats.clone(),
-            });
+            let mut req = sub.req;
+            let constraint = req.constraint.take();
+            // One grammar state per choice, popped from the back: choice 0 takes the original.
+            let mut fork_constraints: Vec<Option<Constraint>> = (1..n)
+                .map(|_| constraint.as_ref().map(Constraint::fork))
+                .collect();
+            fork_constraints.reverse();
+            fork_constraints.push(constraint);
+            for (c, &i) in std::iter::once(&best).chain(forks.iter()).enumerate() {
+                let slot = &mut self.slots[i];
+                let mut cfg = req.sampler.clone();
+                cfg.seed = cfg.seed.wrapping_add(c as u64);
+                let mut sampler = Sampler::new(cfg).with_budget(req.reasoning_budget.clone());
+                // llama-server feeds the prompt to the sampler (penalties and DRY see it).
+                for &t in &req.prompt {
+                    sampler.accept_prompt(t);
+                }
+                let con = fork_constraints.pop().flatten();
+                slot.dec.start_request(sampler, con, req.probs);
+                slot.task = Some(Task {
+                    req: req.clone(),
+                    choice: c,
+                    forks: if c == 0 { forks.clone() } else { Vec::new() },
+                    tx: sub.tx.clone(),
+                    cancel: sub.cancel.clone(),
+                    phase: if c == 0 {
+                        Phase::Prefill { next: reuse }
+                    } else {
+                        Phase::Forked
+                    },
+                    cached: if c == 0 { reuse } else { req.prompt.len() },
+                    generated: Vec::new(),
+                    bytes: Vec::new(),
+                    sent: 0,
+                    t_start: Instant::now(),
+                    t_decode: None,
+                    prompt_ms: 0.0,
+                    stats_at_start: slot.dec.stats.clone(),
+                    embd: Vec::new(),
+                });
+            }
         }
+    }
+
+    /// Copies slot `from`'s state (caches, recurrent states, MTP head, prompt checkpoint) to
+    /// slot `to`: a fork for another choice of the same prompt.
+    fn fork_state(&mut self, from: usize, to: usize) {
+        assert_ne!(from, to);
+        let (a, b) = if from < to {
+            let (l, r) = self.slots.split_at_mut(to);
+            (&l[from], &mut r[0])
+        } else {
+            let (l, r) = self.slots.split_at_mut(from);
+            (&r[0], &mut l[to])
+        };
+        let be = &self.be;
+        for (x, y) in a.dec.seq.kv.iter().zip(b.dec.seq.kv.iter_mut()) {
+            if let (Some(x), Some(y)) = (x, y) {
+                be.kv_copy(x, y);
+            }
+        }
+        for (x, y) in a.dec.seq.rs.iter().zip(b.dec.seq.rs.iter_mut()) {
+            if let (Some(x), Some(y)) = (x, y) {
+                be.recurrent_copy(x, y);
+            }
+        }
+        b.dec.seq.pos = a.dec.seq.pos;
+        if let (Some(x), Some(y)) = (a.dec.mtp.as_ref(), b.dec.mtp.as_mut()) {
+            be.kv_copy(&x.state.kv, &mut y.state.kv);
+            y.state.pos = x.state.pos;
+            y.pending_h = be.rows(&x.pending_h, 0, 1);
+        }
+        for (x, y) in a.ckpt.rs.iter().zip(b.ckpt.rs.iter_mut()) {
+            if let (Some(x), Some(y)) = (x, y) {
+                be.recurrent_copy(x, y);
+            }
+        }
+        b.ckpt.pos = a.ckpt.pos;
+        b.ckpt.pending_h = a.ckpt.pending_h.as_ref().map(|h| be.rows(h, 0, 1));
+        b.tokens = a.tokens.clone();
     }
 
     /// One batched step over every busy slot.
@@ -983,15 +1160,17 @@ impl<B: Backend> Worker<B> {
                 continue;
             };
             match task.phase {
+                Phase::Forked => {}
                 Phase::Prefill { next } => {
                     let end = (next + self.cfg.ubatch).min(task.req.prompt.len());
                     let chunk = task.req.prompt[next..end].to_vec();
-                    let rows = self.slots[i].dec.wants_rows();
+                    let pooled_rows = task.req.embed.is_some_and(|p| p != Pooling::Last);
+                    let rows = self.slots[i].dec.wants_rows() || pooled_rows;
                     plan.push((i, chunk, rows, true));
                 }
                 Phase::Decode => {
                     let room = n_ctx_slot.saturating_sub(self.slots[i].dec.seq.pos + 1);
-                    let drafts = match &spec {
+                    let mut drafts = match &spec {
                         Some(sp) => {
                             let s = &mut self.slots[i];
                             s.dec
@@ -1000,6 +1179,13 @@ impl<B: Backend> Worker<B> {
                         }
                         None => Vec::new(),
                     };
+                    // Drafts the grammar rejects would only be rejected again at verify.
+                    if let (Some(c), Some(sp)) = (self.slots[i].dec.constraint.as_mut(), &spec) {
+                        drafts.truncate(c.valid_prefix(&drafts));
+                        if drafts.len() < sp.n_min {
+                            drafts.clear();
+                        }
+                    }
                     let batch = self.slots[i]
                         .dec
                         .begin_verify(&self.model, &self.be, &drafts);
@@ -1010,6 +1196,42 @@ impl<B: Backend> Worker<B> {
         }
         if plan.is_empty() {
             return Ok(());
+        }
+        // The grammar masks for the rows this step samples, computed on worker threads while
+        // the forward runs: a verify batch's rows (after the drafts so far) and a prompt's
+        // first token.
+        let mut mask_jobs = Vec::new();
+        for (i, toks, _, prefill) in &plan {
+            let s = &mut self.slots[*i];
+            let last_chunk = match s.task.as_ref().map(|t| (&t.phase, t.req.prompt.len())) {
+                Some((Phase::Prefill { next }, n)) => next + toks.len() >= n,
+                _ => false,
+            };
+            if (*prefill && !last_chunk)
+                || !s.dec.constraint.as_ref().is_some_and(Constraint::is_active)
+            {
+                continue;
+            }
+            let mut c = s.dec.constraint.take().expect("active");
+            let drafts = if *prefill {
+                Vec::new()
+            } else {
+                toks[1..].to_vec()
+            };
+            let handle = std::thread::Builder::new()
+                .name("tern-mask".into())
+                .spawn(move || {
+                    let m = c.masks_for(&drafts);
+                    (c, m)
+                });
+            match handle {
+                Ok(h) => mask_jobs.push((*i, h)),
+                Err(e) => {
+                    return Err(EngineError::Grammar(format!(
+                        "cannot start the mask thread: {e}"
+                    )))
+                }
+            }
         }
         let t0 = Instant::now();
         let outs = {
@@ -1036,6 +1258,17 @@ impl<B: Backend> Worker<B> {
                 .map_err(model_err)?
         };
         let step_s = t0.elapsed().as_secs_f64();
+        for (i, h) in mask_jobs {
+            let (c, masks) = h
+                .join()
+                .map_err(|p| EngineError::Grammar(format!("mask thread: {}", panic_text(&p))))?;
+            let d = &mut self.slots[i].dec;
+            d.constraint = Some(c);
+            match masks {
+                Ok(m) => d.masks = m,
+                Err(e) => d.constraint_error = Some(e),
+            }
+        }
         {
             let mut m = self.metrics.lock().unwrap();
             m.n_decode_total += 1;
@@ -1055,6 +1288,31 @@ impl<B: Backend> Worker<B> {
                 let Phase::Prefill { next } = task.phase else {
                     unreachable!()
                 };
+                if let Some(pooling) = task.req.embed {
+                    let n_embd = self.model.cfg.n_embd;
+                    let h = self.be.to_host(&out.h);
+                    let rows = h.chunks_exact(n_embd);
+                    match pooling {
+                        Pooling::None => task.embd.extend(rows.map(<[f32]>::to_vec)),
+                        Pooling::Cls if next == 0 => {
+                            task.embd = rows.take(1).map(<[f32]>::to_vec).collect()
+                        }
+                        Pooling::Cls => {}
+                        Pooling::Last => {
+                            task.embd = rows.last().map(<[f32]>::to_vec).into_iter().collect()
+                        }
+                        Pooling::Mean => {
+                            if task.embd.is_empty() {
+                                task.embd.push(vec![0.0; n_embd]);
+                            }
+                            for r in rows {
+                                for (a, b) in task.embd[0].iter_mut().zip(r) {
+                                    *a += b;
+                                }
+                            }
+                        }
+                    }
+                }
                 let next = next + toks.len();
                 {
                     let mut m = self.metrics.lock().unwrap();
@@ -1076,17 +1334,43 @@ impl<B: Backend> Worker<B> {
                 }
                 s.ckpt.pos = Some(s.tokens.len());
                 s.ckpt.pending_h = s.dec.mtp.as_ref().map(|m| self.be.rows(&m.pending_h, 0, 1));
+                if task.req.embed.is_some() {
+                    let mut embd = std::mem::take(&mut task.embd);
+                    if task.req.embed == Some(Pooling::Mean) {
+                        let n = task.req.prompt.len() as f32;
+                        embd.iter_mut().flatten().for_each(|x| *x /= n);
+                    }
+                    let _ = task.tx.send(Event::Embedding(embd));
+                    self.finish(i, FinishReason::Stop, None);
+                    continue;
+                }
                 if task.req.max_tokens == 0 {
                     // n_predict 0: the prompt is in the slot's cache; nothing is generated.
                     prompt_only.push(i);
                     continue;
                 }
-                let id = s
-                    .dec
-                    .sample_row(&self.be, &out.logits, 0, 1)
-                    .map_err(model_err)?;
-                s.dec.last = Some(id);
-                emitted.push((i, vec![id]));
+                let forks = task.forks.clone();
+                let masks: Masks = s.dec.masks.clone();
+                for &j in &forks {
+                    self.fork_state(i, j);
+                    let f = &mut self.slots[j];
+                    f.dec.masks = masks.clone();
+                    if let Some(t) = f.task.as_mut() {
+                        t.phase = Phase::Decode;
+                        t.prompt_ms = t.t_start.elapsed().as_secs_f64() * 1e3;
+                        t.t_decode = Some(Instant::now());
+                    }
+                }
+                for j in std::iter::once(i).chain(forks) {
+                    let d = &mut self.slots[j].dec;
+                    d.sampled_probs.clear();
+                    let (id, _) = d
+                        .sample_row(&self.be, &out.logits, 0, 1, 0)
+                        .map_err(model_err)?;
+                    d.masks.clear();
+                    d.last = Some(id);
+                    emitted.push((j, vec![id]));
+                }
             } else {
                 let s = &mut self.slots[i];
                 let v = s
@@ -1120,18 +1404,25 @@ impl<B: Backend> Worker<B> {
             m.n_tokens_max = m.n_tokens_max.max(longest as u64);
         }
         for (i, ids) in emitted {
+            let mut probs = std::mem::take(&mut self.slots[i].dec.sampled_probs).into_iter();
+            let grammar_err = self.slots[i].dec.constraint_error.take();
             for id in ids {
                 if self.slots[i].task.is_none() {
                     break;
                 }
-                self.emit(i, id);
+                self.emit(i, id, probs.next());
+            }
+            if let Some(e) = grammar_err {
+                if let Some(t) = self.slots[i].task.take() {
+                    let _ = t.tx.send(Event::Error(EngineError::Grammar(e)));
+                }
             }
         }
         Ok(())
     }
 
     /// Hands one generated token to the request and checks its stop conditions.
-    fn emit(&mut self, i: usize, id: u32) {
+    fn emit(&mut self, i: usize, id: u32, probs: Option<TokenProbs>) {
         let n_ctx_slot = self.cfg.n_ctx_slot();
         let pos = self.slots[i].dec.seq.pos;
         let tok = self.tok.clone();
@@ -1169,18 +1460,40 @@ impl<B: Backend> Worker<B> {
         if let Some((at, word)) = stop_hit {
             let piece = text[task.sent.min(at)..at].to_string();
             task.sent = at;
-            let _ = task.tx.send(Event::Token { id, text: piece });
+            let choice = task.choice;
+            let _ = task.tx.send(Event::Token {
+                choice,
+                id,
+                text: piece,
+                probs,
+            });
             self.finish(i, FinishReason::Stop, Some(word));
             return;
         }
         let piece = text[task.sent.min(safe)..safe].to_string();
         task.sent = task.sent.max(safe);
-        if task.tx.send(Event::Token { id, text: piece }).is_err() {
+        let choice = task.choice;
+        let sent = task.tx.send(Event::Token {
+            choice,
+            id,
+            text: piece,
+            probs,
+        });
+        if sent.is_err() {
             // The client is gone: free the slot.
             self.finish(i, FinishReason::Cancelled, None);
             return;
         }
-        if task.generated.len() >= task.req.max_tokens || pos + 1 >= n_ctx_slot {
+        // A grammar that allows nothing more ends the output, as its end-of-generation would.
+        let done = self.slots[i]
+            .dec
+            .constraint
+            .as_ref()
+            .is_some_and(Constraint::is_done);
+        let task = self.slots[i].task.as_ref().unwrap();
+        if done {
+            self.finish(i, FinishReason::Stop, None);
+        } else if task.generated.len() >= task.req.max_tokens || pos + 1 >= n_ctx_slot {
             self.finish(i, FinishReason::Length, None);
         }
     }
@@ -1193,7 +1506,10 @@ impl<B: Backend> Worker<B> {
         if reason != FinishReason::Stop || stop_word.is_none() {
             let valid = String::from_utf8_lossy(&task.bytes).to_string();
             if task.sent < valid.len() && reason != FinishReason::Cancelled {
-                let _ = task.tx.send(Event::Text(valid[task.sent..].to_string()));
+                let _ = task.tx.send(Event::Text {
+                    choice: task.choice,
+                    text: valid[task.sent..].to_string(),
+                });
                 task.sent = valid.len();
             }
         }
@@ -1229,6 +1545,7 @@ impl<B: Backend> Worker<B> {
             m.spec.add(&stats);
         }
         let _ = task.tx.send(Event::Done(Finish {
+            choice: task.choice,
             reason,
             stop_word,
             prompt_tokens: task.req.prompt.len(),

@@ -1,6 +1,8 @@
-//! The serving runtime: sampling and speculative decoding over the model's per-sequence state.
+//! The serving runtime: sampling, grammar constraints and speculative decoding over the model's
+//! per-sequence state.
 
 pub mod budget;
+pub mod constraint;
 pub mod engine;
 pub mod sampler;
 pub mod speculative;

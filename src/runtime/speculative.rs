@@ -9,7 +9,8 @@
 use crate::backend::{Backend, KvTypes};
 use crate::model::{BatchItem, Model, ModelError, MtpState, Output, SeqState};
 
-use super::sampler::{argmax, non_finite, probability, Sampler};
+use super::constraint::{Constraint, Masks};
+use super::sampler::{argmax, non_finite, probability, ProbsRequest, Sampler, TokenProbs};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SpecConfig {
@@ -85,6 +86,16 @@ pub struct SlotDecoder<B: Backend> {
     /// Sampled but not yet fed to the trunk.
     pub last: Option<u32>,
     pub stats: SpecStats,
+    /// The request's grammar; `masks` are its masks for the rows about to be sampled (computed
+    /// while the forward ran, or here when missing).
+    pub constraint: Option<Constraint>,
+    pub masks: Masks,
+    /// What the request wants to know of each sampled token's distribution, and what the last
+    /// sampling round found (one entry per produced token).
+    pub probs: Option<ProbsRequest>,
+    pub sampled_probs: Vec<TokenProbs>,
+    /// A grammar failure (the request fails with it).
+    pub constraint_error: Option<String>,
 }
 
 impl<B: Backend> SlotDecoder<B> {
@@ -115,7 +126,28 @@ impl<B: Backend> SlotDecoder<B> {
             sampler,
             last: None,
             stats: SpecStats::default(),
+            constraint: None,
+            masks: Vec::new(),
+            probs: None,
+            sampled_probs: Vec::new(),
+            constraint_error: None,
         })
+    }
+
+    /// Sets up the slot for a new request's sampling.
+    pub fn start_request(
+        &mut self,
+        sampler: Sampler,
+        constraint: Option<Constraint>,
+        probs: Option<ProbsRequest>,
+    ) {
+        self.sampler = sampler;
+        self.constraint = constraint;
+        self.probs = probs;
+        self.masks.clear();
+        self.sampled_probs.clear();
+        self.constraint_error = None;
+        self.last = None;
     }
 
     /// Whether rows of every batch must come back (the MTP head needs the trunk's h per row).
@@ -123,41 +155,83 @@ impl<B: Backend> SlotDecoder<B> {
         self.mtp.is_some()
     }
 
-    /// Samples one row, refusing a row with a non-finite logit. A row that comes to the host
-    /// anyway (sampling, or the CPU backend, where it is already there) is checked whole; on a
-    /// device, greedy decoding reads back only the id, so there the first row of each request
-    /// is read back for the check (a model that yields NaN does so from its first token).
+    /// Samples logits row `row` (of `n_rows`) as the `k`-th row of this round (the mask index),
+    /// records the token with the sampler and the grammar, and returns it with whether it woke
+    /// a dormant grammar (`</think>`: masks computed before it no longer hold).
+    ///
+    /// A row with a non-finite logit is refused. A row that comes to the host anyway (sampling,
+    /// a grammar mask, probabilities, or the CPU backend, where it is already there) is checked
+    /// whole; on a device, greedy decoding reads back only the id, so there the first row of
+    /// each request is read back for the check (a model that yields NaN does so from its first
+    /// token).
     pub fn sample_row(
         &mut self,
         be: &B,
         logits: &B::T,
         row: usize,
         n_rows: usize,
-    ) -> Result<u32, ModelError> {
-        let one = |be: &B| {
-            if n_rows == 1 {
-                None
-            } else {
-                Some(be.rows(logits, row, 1))
+        k: usize,
+    ) -> Result<(u32, bool), ModelError> {
+        let active = self.constraint.as_ref().is_some_and(Constraint::is_active);
+        if active && self.masks.len() <= k && self.constraint_error.is_none() {
+            // No mask was computed ahead for this row: compute it now.
+            let c = self.constraint.as_mut().expect("active");
+            match c.masks_for(&[]) {
+                Ok(m) => {
+                    self.masks.truncate(k);
+                    while self.masks.len() < k {
+                        self.masks.push(Vec::new());
+                    }
+                    self.masks.extend(m);
+                }
+                Err(e) => self.constraint_error = Some(e),
             }
+        }
+        let mask = if active {
+            self.masks.get(k).map(Vec::as_slice)
+        } else {
+            None
         };
-        let picked = one(be);
+        let picked = (n_rows != 1).then(|| be.rows(logits, row, 1));
         let t = picked.as_ref().unwrap_or(logits);
-        let greedy = self.sampler.is_greedy();
-        let host = (!greedy || be.name() == "cpu" || self.last.is_none()).then(|| be.to_host(t));
+        // Plain greedy needs only the id from the device; a mask or probabilities need the row.
+        let id_only = self.sampler.is_greedy() && mask.is_none() && self.probs.is_none();
+        let host =
+            (!id_only || be.name() == "cpu" || self.last.is_none()).then(|| be.to_host(t));
         if let Some(h) = &host {
             if let Some((token, value)) = non_finite(h) {
                 return Err(ModelError::NonFiniteLogits { row, token, value });
             }
         }
-        // A token the reasoning budget forces still comes from a checked row.
-        let id = match (self.sampler.forced(), &host, greedy) {
-            (Some(forced), _, _) => forced,
-            (None, Some(h), false) => self.sampler.sample(h),
+        // A token the reasoning budget forces (closing the thinking block) still comes from a
+        // checked row.
+        let id = match (self.sampler.forced(), &host) {
+            (Some(forced), _) => forced,
+            (None, Some(h)) if !id_only => {
+                if self.sampler.is_greedy() && self.probs.is_none() {
+                    // The chain would keep only the allowed argmax: skip building it.
+                    super::sampler::masked_argmax(h, mask)
+                } else {
+                    let (id, p) = self.sampler.sample_with(h, mask, self.probs);
+                    if let Some(p) = p {
+                        self.sampled_probs.push(p);
+                    }
+                    id
+                }
+            }
             _ => be.argmax_rows(t)[0],
         };
         self.sampler.accept(id);
-        Ok(id)
+        let mut woke = false;
+        if let Some(c) = self.constraint.as_mut() {
+            match c.commit(id) {
+                Ok(w) => woke = w,
+                Err(e) => {
+                    self.constraint_error.get_or_insert(e);
+                }
+            }
+        }
+        Ok((id, woke))
     }
 
     /// Fills the MTP cache over tokens just accepted by the trunk: row k reads token k and the
@@ -260,15 +334,20 @@ impl<B: Backend> SlotDecoder<B> {
         let n_rows = if rows { batch.len() } else { 1 };
         let mut produced = Vec::new();
         let mut accepted = 0;
+        self.sampled_probs.clear();
         for i in 0..batch.len() {
-            let t = self.sample_row(be, &out.logits, if rows { i } else { 0 }, n_rows)?;
+            let (t, woke) =
+                self.sample_row(be, &out.logits, if rows { i } else { 0 }, n_rows, i)?;
             produced.push(t);
-            if i < drafts.len() && t == drafts[i] {
+            // A token that woke the grammar ends the round: the rows after it were not masked.
+            let grammar_ok = !woke && self.constraint_error.is_none();
+            if i < drafts.len() && t == drafts[i] && grammar_ok {
                 accepted += 1;
             } else {
                 break;
             }
         }
+        self.masks.clear();
         if !drafts.is_empty() {
             self.stats.drafts += 1;
             self.stats.drafted += drafts.len() as u64;
@@ -351,7 +430,12 @@ impl<'a, B: Backend> Generator<'a, B> {
             .pop()
             .expect("one output");
         self.slot.mtp_process(self.model, self.be, prompt, &out.h)?;
-        let id = self.slot.sample_row(self.be, &out.logits, 0, 1)?;
+        for &t in prompt {
+            self.slot.sampler.accept_prompt(t);
+        }
+        self.slot.sampled_probs.clear();
+        let (id, _) = self.slot.sample_row(self.be, &out.logits, 0, 1, 0)?;
+        self.slot.masks.clear();
         self.slot.last = Some(id);
         Ok(id)
     }

@@ -13,10 +13,13 @@ use tokio::sync::mpsc;
 
 use super::error::ApiError;
 use super::generate::{
-    cancelled_error, check_prompt, finish_reason, log_done, params_of, request_of, sse_bytes,
-    sse_response, submit, timings_json, tokenize, unix_now, usage_json, Submission,
+    cancelled_error, check_prompt, compile_grammar, finish_reason, grammar_fields, log_done,
+    params_of, request_of, sse_bytes, sse_response, submit, timings_json, token_probs_json,
+    tokenize, unix_now, usage_json, Submission,
 };
-use super::request::{field, gen_params, opt_bool, opt_i64, opt_str, parse_object, type_name, Obj};
+use super::request::{
+    field, gen_params, opt_bool, opt_i64, opt_str, parse_object, type_name, Endpoint, Obj,
+};
 use super::state::AppState;
 use super::Body as RawBody;
 use crate::chat::{
@@ -24,12 +27,16 @@ use crate::chat::{
 };
 use crate::config::{Reasoning, ReasoningFormat};
 use crate::runtime::budget::BudgetConfig;
-use crate::runtime::engine::{Event, FinishReason};
+use crate::runtime::constraint::{tool_call_lark, GrammarSpec};
+use crate::runtime::engine::{Event, Finish, FinishReason};
 
 /// A chat request rendered to its prompt.
 pub struct RenderedChat {
     pub prompt: String,
     pub parser: ParserConfig,
+    /// What the output is constrained to (response_format, json_schema, grammar, a forced
+    /// tool call).
+    pub grammar: Option<GrammarSpec>,
 }
 
 const ROLES: &str = "system, user, assistant, tool";
@@ -260,12 +267,13 @@ fn parse_tools(body: &Obj) -> Result<Option<Value>, ApiError> {
     Ok(Some(Value::Array(tools.clone())))
 }
 
-/// `tool_choice`: "auto" (default), "none", "required", or a named function.
-fn parse_tool_choice(body: &Obj) -> Result<String, ApiError> {
+/// `tool_choice`: "auto" (default), "none", "required", or a named function (then
+/// "required" and its name).
+fn parse_tool_choice(body: &Obj) -> Result<(String, Option<String>), ApiError> {
     match field(body, "tool_choice") {
-        None => Ok("auto".into()),
+        None => Ok(("auto".into(), None)),
         Some(Value::String(s)) if matches!(s.as_str(), "auto" | "none" | "required") => {
-            Ok(s.clone())
+            Ok((s.clone(), None))
         }
         Some(Value::String(s)) => Err(ApiError::bad_request(format!(
             "'tool_choice' {s:?} is not one of auto, none, required"
@@ -275,7 +283,8 @@ fn parse_tool_choice(body: &Obj) -> Result<String, ApiError> {
                 .and_then(|f| f.get("name"))
                 .is_some_and(Value::is_string) =>
         {
-            Ok("required".into())
+            let name = o["function"]["name"].as_str().unwrap_or_default().to_string();
+            Ok(("required".into(), Some(name)))
         }
         Some(other) => Err(ApiError::bad_request(format!(
             "'tool_choice' must be a string or {{\"type\":\"function\",\"function\":{{\"name\":…}}}}, not {}",
@@ -288,21 +297,8 @@ fn parse_tool_choice(body: &Obj) -> Result<String, ApiError> {
 pub fn render_chat(state: &AppState, body: &Obj) -> Result<RenderedChat, ApiError> {
     let messages = normalize_messages(state, body.get("messages"))?;
     let tools = parse_tools(body)?;
-    let tool_choice = parse_tool_choice(body)?;
-    if let Some(rf) = field(body, "response_format") {
-        let ty = rf.get("type").and_then(Value::as_str).unwrap_or("");
-        if !rf.is_object() || !matches!(ty, "text" | "json_object" | "json_schema") {
-            return Err(ApiError::bad_request(
-                "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
-            ));
-        }
-        if ty != "text" {
-            state.log(
-                4,
-                "response_format is accepted but not enforced (tern has no grammar sampling yet)",
-            );
-        }
-    }
+    let (tool_choice, tool_name) = parse_tool_choice(body)?;
+    let grammar = chat_grammar(body, tools.as_ref(), &tool_choice, tool_name.as_deref())?;
     // The server's own variables (--chat-template-kwargs, --reasoning-effort), then
     // --reasoning, then the request's.
     let mut kwargs = state.cfg.template_kwargs.clone();
@@ -409,7 +405,98 @@ pub fn render_chat(state: &AppState, body: &Obj) -> Result<RenderedChat, ApiErro
             _ => None,
         },
     };
-    Ok(RenderedChat { prompt, parser })
+    Ok(RenderedChat {
+        prompt,
+        parser,
+        grammar,
+    })
+}
+
+/// The grammar of a chat request: `response_format` (json_object, json_schema), llama-server's
+/// `json_schema` / `grammar`, or a forced tool call (`tool_choice` "required" or named). At
+/// most one of them.
+pub(super) fn chat_grammar(
+    body: &Obj,
+    tools: Option<&Value>,
+    tool_choice: &str,
+    tool_name: Option<&str>,
+) -> Result<Option<GrammarSpec>, ApiError> {
+    let mut found: Vec<(&str, GrammarSpec)> = Vec::new();
+    if let Some(rf) = field(body, "response_format") {
+        let ty = rf.get("type").and_then(Value::as_str).unwrap_or("");
+        if !rf.is_object() || !matches!(ty, "text" | "json_object" | "json_schema") {
+            return Err(ApiError::bad_request(
+                "'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+            ));
+        }
+        // llama-server also takes a schema beside json_object.
+        let loose = rf.get("schema").filter(|s| !s.is_null());
+        match ty {
+            "json_object" => found.push((
+                "response_format",
+                loose
+                    .map(|s| GrammarSpec::JsonSchema(s.clone()))
+                    .unwrap_or(GrammarSpec::JsonObject),
+            )),
+            "json_schema" => {
+                let js = rf.get("json_schema");
+                let schema = js
+                    .and_then(|j| j.get("schema"))
+                    .or(loose)
+                    .filter(|s| !s.is_null());
+                if let Some(strict) = js.and_then(|j| j.get("strict")) {
+                    if !strict.is_boolean() && !strict.is_null() {
+                        return Err(ApiError::bad_request(
+                            "'response_format.json_schema.strict' must be a boolean",
+                        ));
+                    }
+                }
+                let Some(schema) = schema else {
+                    return Err(ApiError::bad_request(
+                        "'response_format' of type json_schema needs 'json_schema.schema'",
+                    ));
+                };
+                found.push(("response_format", GrammarSpec::JsonSchema(schema.clone())));
+            }
+            _ => {}
+        }
+    }
+    if let Some(g) = grammar_fields(body)? {
+        found.push(("json_schema/grammar", g));
+    }
+    if tool_choice == "required" {
+        let Some(Value::Array(all)) = tools else {
+            return Err(ApiError::bad_request(
+                "'tool_choice' requires a call but the request has no 'tools'",
+            ));
+        };
+        let chosen: Vec<&Value> = all
+            .iter()
+            .filter(|t| {
+                tool_name.is_none_or(|n| {
+                    t.get("function")
+                        .and_then(|f| f.get("name"))
+                        .and_then(Value::as_str)
+                        == Some(n)
+                })
+            })
+            .collect();
+        if chosen.is_empty() {
+            return Err(ApiError::bad_request(format!(
+                "'tool_choice' names the function {:?}, which is not in 'tools'",
+                tool_name.unwrap_or_default()
+            )));
+        }
+        let lark = tool_call_lark(&chosen).map_err(|e| ApiError::bad_request(e.to_string()))?;
+        found.push(("tool_choice", GrammarSpec::Lark(lark)));
+    }
+    if found.len() > 1 {
+        return Err(ApiError::bad_request(format!(
+            "'{}' and '{}' each constrain the output; give one",
+            found[0].0, found[1].0
+        )));
+    }
+    Ok(found.pop().map(|(_, g)| g))
 }
 
 fn delta_json(d: &Delta) -> Value {
@@ -501,34 +588,44 @@ async fn chat_impl(
         &body,
         &state.gen_defaults(),
         &["n_predict", "max_completion_tokens", "max_tokens"],
+        &state.tok,
+        Endpoint::Chat,
     )?;
     gen.lora = state.lora.for_request(&body)?;
     let ids = tokenize(&state, &rendered.prompt)?;
     check_prompt(&state, &ids)?;
+    let constraint = rendered
+        .grammar
+        .as_ref()
+        .map(|g| compile_grammar(&state, g, rendered.parser.starts_in_reasoning))
+        .transpose()?;
     state.log(
         4,
         format!("chat prompt ({} tokens):\n{}", ids.len(), rendered.prompt),
     );
     let budget = reasoning_budget(&state, &body, &rendered.prompt)?;
-    let mut req = request_of(&state, ids, &gen);
+    let n = gen.n;
+    let mut req = request_of(&state, ids, &gen, constraint);
     req.reasoning_budget = budget;
     let ping = super::generate::ping_of(&state, &gen);
     let sub = submit(&state, req, params_of(&state, &gen), access).await?;
     let id = format!("chatcmpl-{}", crate::chat::random_id(32));
     let created = unix_now();
-    let parser = ChatParser::new(rendered.parser);
+    let parsers = (0..n)
+        .map(|_| ChatParser::new(rendered.parser.clone()))
+        .collect();
     if gen.stream {
         Ok(stream_chat(
             state,
             sub,
-            parser,
+            parsers,
             id,
             created,
             gen.include_usage,
             ping,
         ))
     } else {
-        collect_chat(&state, sub, parser, id, created).await
+        collect_chat(&state, sub, parsers, id, created).await
     }
 }
 
@@ -543,63 +640,105 @@ fn chunk(state: &AppState, id: &str, created: u64, choices: Value) -> Value {
     })
 }
 
+/// The usage of a request's choices: the prompt once, the completions added up.
+pub(super) fn merged_finish(done: &[Finish]) -> Finish {
+    let mut f = done[0].clone();
+    f.completion_tokens = done.iter().map(|d| d.completion_tokens).sum();
+    f.timings.predicted_n = f.completion_tokens;
+    f.timings.predicted_ms = done
+        .iter()
+        .map(|d| d.timings.predicted_ms)
+        .fold(0.0, f64::max);
+    f.timings.draft_n = done.iter().map(|d| d.timings.draft_n).sum();
+    f.timings.draft_n_accepted = done.iter().map(|d| d.timings.draft_n_accepted).sum();
+    f
+}
+
 async fn collect_chat(
     state: &AppState,
     mut sub: Submission,
-    mut parser: ChatParser,
+    mut parsers: Vec<ChatParser>,
     id: String,
     created: u64,
 ) -> Result<Response, ApiError> {
-    let fin = loop {
+    let n = parsers.len();
+    let mut done: Vec<Option<Finish>> = vec![None; n];
+    let mut probs: Vec<Vec<Value>> = vec![Vec::new(); n];
+    while done.iter().any(Option::is_none) {
         match sub.rx.recv().await {
-            Some(Event::Token { text, .. }) | Some(Event::Text(text)) => {
-                parser.push(&text);
+            Some(Event::Token {
+                choice,
+                text,
+                probs: p,
+                id: tid,
+            }) => {
+                parsers[choice].push(&text);
+                if let Some(p) = p {
+                    let t = super::generate::token_text(state, tid);
+                    probs[choice].push(token_probs_json(state, tid, &t, &p));
+                }
             }
-            Some(Event::Started { .. }) => {}
-            Some(Event::Done(f)) => break f,
+            Some(Event::Text { choice, text }) => {
+                parsers[choice].push(&text);
+            }
+            Some(Event::Started { .. }) | Some(Event::Embedding(_)) => {}
+            Some(Event::Done(f)) => {
+                if f.reason == FinishReason::Cancelled {
+                    return Err(cancelled_error());
+                }
+                let c = f.choice;
+                done[c] = Some(f);
+            }
             Some(Event::Error(e)) => return Err(e.into()),
             None => return Err(ApiError::unavailable("the engine stopped")),
         }
-    };
-    if fin.reason == FinishReason::Cancelled {
-        return Err(cancelled_error());
     }
-    parser.finish();
-    let msg = parser.message();
-    let mut m = Map::new();
-    m.insert("role".into(), json!("assistant"));
-    m.insert(
-        "content".into(),
-        if msg.content.is_empty() && !msg.tool_calls.is_empty() {
-            Value::Null
-        } else {
-            Value::String(msg.content.clone())
-        },
-    );
-    if !msg.reasoning.is_empty() {
-        m.insert("reasoning_content".into(), json!(msg.reasoning));
-    }
-    if !msg.tool_calls.is_empty() {
-        let calls: Vec<Value> = msg
-            .tool_calls
-            .iter()
-            .map(|c| {
-                json!({
-                    "type": "function",
-                    "function": { "name": c.name, "arguments": c.arguments },
-                    "id": c.id,
+    let done: Vec<Finish> = done.into_iter().map(|f| f.expect("all done")).collect();
+    let mut choices = Vec::with_capacity(n);
+    for (c, parser) in parsers.iter_mut().enumerate() {
+        parser.finish();
+        let msg = parser.message();
+        let mut m = Map::new();
+        m.insert("role".into(), json!("assistant"));
+        m.insert(
+            "content".into(),
+            if msg.content.is_empty() && !msg.tool_calls.is_empty() {
+                Value::Null
+            } else {
+                Value::String(msg.content.clone())
+            },
+        );
+        if !msg.reasoning.is_empty() {
+            m.insert("reasoning_content".into(), json!(msg.reasoning));
+        }
+        if !msg.tool_calls.is_empty() {
+            let calls: Vec<Value> = msg
+                .tool_calls
+                .iter()
+                .map(|c| {
+                    json!({
+                        "type": "function",
+                        "function": { "name": c.name, "arguments": c.arguments },
+                        "id": c.id,
+                    })
                 })
-            })
-            .collect();
-        m.insert("tool_calls".into(), Value::Array(calls));
+                .collect();
+            m.insert("tool_calls".into(), Value::Array(calls));
+        }
+        let mut choice = json!({
+            "finish_reason": finish_reason(&done[c], !msg.tool_calls.is_empty()),
+            "index": c,
+            "message": Value::Object(m),
+        });
+        if !probs[c].is_empty() {
+            choice["logprobs"] = json!({ "content": std::mem::take(&mut probs[c]) });
+        }
+        choices.push(choice);
     }
+    let fin = merged_finish(&done);
     log_done(state, "chat", &fin, &sub);
     let body = json!({
-        "choices": [{
-            "finish_reason": finish_reason(&fin, !msg.tool_calls.is_empty()),
-            "index": 0,
-            "message": Value::Object(m),
-        }],
+        "choices": choices,
         "created": created,
         "model": state.cfg.alias,
         "system_fingerprint": state.cfg.build_info,
@@ -614,7 +753,7 @@ async fn collect_chat(
 fn stream_chat(
     state: Arc<AppState>,
     mut sub: Submission,
-    mut parser: ChatParser,
+    mut parsers: Vec<ChatParser>,
     id: String,
     created: u64,
     include_usage: bool,
@@ -622,27 +761,37 @@ fn stream_chat(
 ) -> Response {
     let (tx, rx) = mpsc::channel::<Bytes>(64);
     tokio::spawn(async move {
+        let n = parsers.len();
         let send = |v: Value| {
             let tx = tx.clone();
             async move { tx.send(sse_bytes(&v)).await.is_ok() }
         };
-        let first = chunk(
-            &state,
-            &id,
-            created,
-            json!([{ "finish_reason": null, "index": 0, "delta": { "role": "assistant", "content": null } }]),
-        );
-        if !send(first).await {
-            return;
-        }
-        let delta_chunk = |d: &Delta| {
-            chunk(
+        for c in 0..n {
+            let first = chunk(
                 &state,
                 &id,
                 created,
-                json!([{ "finish_reason": null, "index": 0, "delta": delta_json(d) }]),
-            )
+                json!([{ "finish_reason": null, "index": c, "delta": { "role": "assistant", "content": null } }]),
+            );
+            if !send(first).await {
+                return;
+            }
+        }
+        let delta_chunk = |c: usize, d: Option<&Delta>, lp: Vec<Value>| {
+            let mut choice = json!({
+                "finish_reason": null,
+                "index": c,
+                "delta": d.map(delta_json).unwrap_or_else(|| json!({})),
+            });
+            if !lp.is_empty() {
+                choice["logprobs"] = json!({ "content": lp });
+            }
+            chunk(&state, &id, created, json!([choice]))
         };
+        // Probabilities of tokens whose text the parser still holds back ride on the next
+        // chunk of their choice.
+        let mut pending: Vec<Vec<Value>> = vec![Vec::new(); n];
+        let mut done: Vec<Option<Finish>> = vec![None; n];
         loop {
             let ev = sub.rx.recv().await;
             if tx.is_closed() {
@@ -651,31 +800,67 @@ fn stream_chat(
                 return;
             }
             match ev {
-                Some(Event::Token { text, .. }) | Some(Event::Text(text)) => {
-                    for d in parser.push(&text) {
-                        if !send(delta_chunk(&d)).await {
+                Some(Event::Token {
+                    choice,
+                    text,
+                    probs,
+                    id: tid,
+                }) => {
+                    if let Some(p) = probs {
+                        let t = super::generate::token_text(&state, tid);
+                        pending[choice].push(token_probs_json(&state, tid, &t, &p));
+                    }
+                    for d in parsers[choice].push(&text) {
+                        let lp = std::mem::take(&mut pending[choice]);
+                        if !send(delta_chunk(choice, Some(&d), lp)).await {
                             return;
                         }
                     }
                 }
-                Some(Event::Started { .. }) => {}
+                Some(Event::Text { choice, text }) => {
+                    for d in parsers[choice].push(&text) {
+                        let lp = std::mem::take(&mut pending[choice]);
+                        if !send(delta_chunk(choice, Some(&d), lp)).await {
+                            return;
+                        }
+                    }
+                }
+                Some(Event::Started { .. }) | Some(Event::Embedding(_)) => {}
                 Some(Event::Done(fin)) => {
                     if fin.reason == FinishReason::Cancelled {
                         let _ = send(cancelled_error().to_json()).await;
                         return;
                     }
-                    for d in parser.finish() {
-                        if !send(delta_chunk(&d)).await {
+                    let c = fin.choice;
+                    for d in parsers[c].finish() {
+                        let lp = std::mem::take(&mut pending[c]);
+                        if !send(delta_chunk(c, Some(&d), lp)).await {
                             return;
                         }
                     }
-                    let fr = finish_reason(&fin, !parser.message().tool_calls.is_empty());
+                    if !pending[c].is_empty() {
+                        let lp = std::mem::take(&mut pending[c]);
+                        if !send(delta_chunk(c, None, lp)).await {
+                            return;
+                        }
+                    }
+                    let fr = finish_reason(&fin, !parsers[c].message().tool_calls.is_empty());
+                    done[c] = Some(fin);
+                    let all = done.iter().all(Option::is_some);
                     let mut last = chunk(
                         &state,
                         &id,
                         created,
-                        json!([{ "finish_reason": fr, "index": 0, "delta": {} }]),
+                        json!([{ "finish_reason": fr, "index": c, "delta": {} }]),
                     );
+                    if !all {
+                        if !send(last).await {
+                            return;
+                        }
+                        continue;
+                    }
+                    let fins: Vec<Finish> = done.iter().flatten().cloned().collect();
+                    let fin = merged_finish(&fins);
                     if include_usage {
                         if !send(last).await {
                             return;

@@ -10,14 +10,17 @@ use axum::response::{IntoResponse, Response};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
+use super::chat::{chat_grammar, merged_finish};
 use super::error::ApiError;
 use super::generate::{
-    cancelled_error, check_prompt, finish_reason, log_done, params_of, request_of, sse_bytes,
-    sse_response, submit, timings_json, tokenize, unix_now, usage_json, Submission,
+    cancelled_error, check_prompt, compile_grammar, finish_reason, log_done, params_of, request_of,
+    sse_bytes, sse_response, submit, timings_json, token_probs_json, token_text, tokenize,
+    unix_now, usage_json, Submission,
 };
-use super::request::{gen_params, opt_bool, parse_object, prompt_field, Prompt};
+use super::request::{gen_params, opt_bool, parse_object, prompt_field, Endpoint, Prompt};
 use super::state::AppState;
 use super::Body as RawBody;
+use crate::chat::ParserConfig;
 use crate::runtime::engine::{Event, Finish, FinishReason};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -62,6 +65,11 @@ async fn completion_impl(
         &body,
         &state.gen_defaults(),
         &["n_predict", "max_tokens", "max_completion_tokens"],
+        &state.tok,
+        match flavor {
+            Flavor::OpenAi => Endpoint::OpenAiCompletion,
+            Flavor::Llama => Endpoint::Completion,
+        },
     )?;
     gen.lora = state.lora.for_request(&body)?;
     let return_tokens = opt_bool(&body, "return_tokens")?.unwrap_or(false);
@@ -73,9 +81,19 @@ async fn completion_impl(
         }
     };
     check_prompt(&state, &ids)?;
+    let constraint = chat_grammar(&body, None, "auto", None)?
+        .map(|g| {
+            compile_grammar(
+                &state,
+                &g,
+                ParserConfig::prompt_opens_thinking(&prompt_text),
+            )
+        })
+        .transpose()?;
     let n_prompt = ids.len();
     let params = params_of(&state, &gen);
-    let req = request_of(&state, ids, &gen);
+    let n = gen.n;
+    let req = request_of(&state, ids, &gen, constraint);
     let sub = submit(&state, req, params.clone(), access).await?;
     let id = format!("cmpl-{}", crate::chat::random_id(32));
     let created = unix_now();
@@ -90,6 +108,7 @@ async fn completion_impl(
         return_tokens,
         include_usage: gen.include_usage,
         n_prompt,
+        n,
     };
     if gen.stream {
         Ok(stream_completion(ctx, sub, ping))
@@ -108,6 +127,7 @@ struct CompletionCtx {
     return_tokens: bool,
     include_usage: bool,
     n_prompt: usize,
+    n: usize,
 }
 
 fn stop_type(f: &Finish) -> &'static str {
@@ -119,70 +139,155 @@ fn stop_type(f: &Finish) -> &'static str {
     }
 }
 
+/// One choice's output so far.
+#[derive(Default)]
+struct ChoiceOut {
+    text: String,
+    tokens: Vec<u32>,
+    /// llama-server's per-token entries.
+    probs: Vec<Value>,
+    /// Where each token with probabilities starts in `text` (OpenAI's `text_offset`).
+    offsets: Vec<usize>,
+    done: Option<Finish>,
+}
+
+/// `/v1/completions`' `logprobs`: OpenAI's legacy arrays, plus llama-server's `content` entries.
+fn openai_logprobs(probs: &[Value], offsets: &[usize], base: usize) -> Value {
+    let key = |p: &Value| {
+        if p.get("logprob").is_some() {
+            "logprob"
+        } else {
+            "prob"
+        }
+    };
+    let tokens: Vec<Value> = probs.iter().map(|p| p["token"].clone()).collect();
+    let lps: Vec<Value> = probs.iter().map(|p| p[key(p)].clone()).collect();
+    let tops: Vec<Value> = probs
+        .iter()
+        .map(|p| {
+            let list = p
+                .get("top_logprobs")
+                .or(p.get("top_probs"))
+                .and_then(Value::as_array);
+            let mut m = serde_json::Map::new();
+            for t in list.into_iter().flatten() {
+                let tok = t["token"].as_str().unwrap_or_default().to_string();
+                m.entry(tok).or_insert(t[key(t)].clone());
+            }
+            Value::Object(m)
+        })
+        .collect();
+    let offs: Vec<usize> = offsets.iter().map(|o| base + o).collect();
+    json!({
+        "tokens": tokens,
+        "token_logprobs": lps,
+        "top_logprobs": tops,
+        "text_offset": offs,
+        "content": probs,
+    })
+}
+
 impl CompletionCtx {
     /// The final object (whole text when not streamed; empty content when it was).
-    fn final_json(&self, slot: usize, content: &str, tokens: &[u32], f: &Finish) -> Value {
+    fn final_json(&self, slot: usize, outs: &[ChoiceOut], f: &Finish, streamed: bool) -> Value {
         match self.flavor {
-            Flavor::OpenAi => json!({
-                "choices": [{
-                    "text": content,
+            Flavor::OpenAi => {
+                let choices: Vec<Value> = outs
+                    .iter()
+                    .enumerate()
+                    .map(|(c, o)| {
+                        let fin = o.done.as_ref().unwrap_or(f);
+                        json!({
+                            "text": if streamed { "" } else { o.text.as_str() },
+                            "index": c,
+                            "logprobs": if o.probs.is_empty() || streamed {
+                                Value::Null
+                            } else {
+                                openai_logprobs(&o.probs, &o.offsets, 0)
+                            },
+                            "finish_reason": finish_reason(fin, false),
+                        })
+                    })
+                    .collect();
+                json!({
+                    "choices": choices,
+                    "created": self.created,
+                    "model": self.state.cfg.alias,
+                    "system_fingerprint": self.state.cfg.build_info,
+                    "object": "text_completion",
+                    "usage": usage_json(f),
+                    "id": self.id,
+                    "timings": timings_json(f),
+                })
+            }
+            Flavor::Llama => {
+                let o = &outs[0];
+                let content = if streamed { "" } else { o.text.as_str() };
+                let mut v = json!({
                     "index": 0,
-                    "logprobs": null,
-                    "finish_reason": finish_reason(f, false),
-                }],
-                "created": self.created,
-                "model": self.state.cfg.alias,
-                "system_fingerprint": self.state.cfg.build_info,
-                "object": "text_completion",
-                "usage": usage_json(f),
-                "id": self.id,
-                "timings": timings_json(f),
-            }),
-            Flavor::Llama => json!({
-                "index": 0,
-                "content": content,
-                "tokens": tokens,
-                "id_slot": slot,
-                "stop": true,
-                "model": self.state.cfg.alias,
-                "tokens_predicted": f.completion_tokens,
-                "tokens_evaluated": f.prompt_tokens,
-                "generation_settings": self.params,
-                "prompt": self.prompt_text,
-                "has_new_line": content.contains('\n'),
-                "truncated": false,
-                "stop_type": stop_type(f),
-                "stopping_word": f.stop_word.clone().unwrap_or_default(),
-                "tokens_cached": f.prompt_tokens + f.completion_tokens,
-                "timings": timings_json(f),
-            }),
+                    "content": content,
+                    "tokens": if streamed { &[][..] } else { &o.tokens[..] },
+                    "id_slot": slot,
+                    "stop": true,
+                    "model": self.state.cfg.alias,
+                    "tokens_predicted": f.completion_tokens,
+                    "tokens_evaluated": f.prompt_tokens,
+                    "generation_settings": self.params,
+                    "prompt": self.prompt_text,
+                    "has_new_line": content.contains('\n'),
+                    "truncated": false,
+                    "stop_type": stop_type(f),
+                    "stopping_word": f.stop_word.clone().unwrap_or_default(),
+                    "tokens_cached": f.prompt_tokens + f.completion_tokens,
+                    "timings": timings_json(f),
+                });
+                if !streamed && !o.probs.is_empty() {
+                    v["completion_probabilities"] = Value::Array(o.probs.clone());
+                }
+                v
+            }
         }
     }
 }
 
 async fn collect_completion(ctx: CompletionCtx, mut sub: Submission) -> Result<Response, ApiError> {
-    let mut text = String::new();
-    let mut tokens = Vec::new();
-    let fin = loop {
+    let mut outs: Vec<ChoiceOut> = (0..ctx.n).map(|_| ChoiceOut::default()).collect();
+    while outs.iter().any(|o| o.done.is_none()) {
         match sub.rx.recv().await {
-            Some(Event::Token { id, text: t }) => {
+            Some(Event::Token {
+                choice,
+                id,
+                text: t,
+                probs,
+            }) => {
+                let o = &mut outs[choice];
                 if ctx.return_tokens {
-                    tokens.push(id);
+                    o.tokens.push(id);
                 }
-                text.push_str(&t);
+                if let Some(p) = probs {
+                    o.offsets.push(o.text.len());
+                    let tt = token_text(&ctx.state, id);
+                    o.probs.push(token_probs_json(&ctx.state, id, &tt, &p));
+                }
+                o.text.push_str(&t);
             }
-            Some(Event::Text(t)) => text.push_str(&t),
-            Some(Event::Started { .. }) => {}
-            Some(Event::Done(f)) => break f,
+            Some(Event::Text { choice, text }) => outs[choice].text.push_str(&text),
+            Some(Event::Started { .. }) | Some(Event::Embedding(_)) => {}
+            Some(Event::Done(f)) => {
+                if f.reason == FinishReason::Cancelled {
+                    return Err(cancelled_error());
+                }
+                let c = f.choice;
+                outs[c].done = Some(f);
+            }
             Some(Event::Error(e)) => return Err(e.into()),
             None => return Err(ApiError::unavailable("the engine stopped")),
         }
-    };
-    if fin.reason == FinishReason::Cancelled {
-        return Err(cancelled_error());
     }
+    let fins: Vec<Finish> = outs.iter().filter_map(|o| o.done.clone()).collect();
+    let fin = merged_finish(&fins);
     log_done(&ctx.state, "completion", &fin, &sub);
-    let body = ctx.final_json(sub.slot, &text, &tokens, &fin);
+    let body = ctx.final_json(sub.slot, &outs, &fin, false);
     Ok((StatusCode::OK, axum::Json(body)).into_response())
 }
 
@@ -197,26 +302,39 @@ fn stream_completion(
             let tx = tx.clone();
             async move { tx.send(sse_bytes(&v)).await.is_ok() }
         };
+        let mut outs: Vec<ChoiceOut> = (0..ctx.n).map(|_| ChoiceOut::default()).collect();
         let mut n_decoded = 0usize;
         loop {
             let ev = sub.rx.recv().await;
             if tx.is_closed() {
                 return;
             }
-            let (text, id) = match ev {
-                Some(Event::Token { id, text }) => {
+            let (choice, text, id, probs) = match ev {
+                Some(Event::Token {
+                    choice,
+                    id,
+                    text,
+                    probs,
+                }) => {
                     n_decoded += 1;
-                    (text, Some(id))
+                    (choice, text, Some(id), probs)
                 }
-                Some(Event::Text(text)) => (text, None),
-                Some(Event::Started { .. }) => continue,
+                Some(Event::Text { choice, text }) => (choice, text, None, None),
+                Some(Event::Started { .. }) | Some(Event::Embedding(_)) => continue,
                 Some(Event::Done(fin)) => {
                     if fin.reason == FinishReason::Cancelled {
                         let _ = send(cancelled_error().to_json()).await;
                         return;
                     }
+                    let c = fin.choice;
+                    outs[c].done = Some(fin);
+                    if outs.iter().any(|o| o.done.is_none()) {
+                        continue;
+                    }
+                    let fins: Vec<Finish> = outs.iter().filter_map(|o| o.done.clone()).collect();
+                    let fin = merged_finish(&fins);
                     log_done(&ctx.state, "completion (stream)", &fin, &sub);
-                    let mut last = ctx.final_json(sub.slot, "", &[], &fin);
+                    let mut last = ctx.final_json(sub.slot, &outs, &fin, true);
                     if ctx.flavor == Flavor::OpenAi && ctx.include_usage {
                         if let Some(o) = last.as_object_mut() {
                             o.remove("usage");
@@ -250,27 +368,50 @@ fn stream_completion(
                     return;
                 }
             };
-            if text.is_empty() && ctx.flavor == Flavor::OpenAi {
+            let entry = match (id, probs) {
+                (Some(id), Some(p)) => {
+                    let tt = token_text(&ctx.state, id);
+                    Some(token_probs_json(&ctx.state, id, &tt, &p))
+                }
+                _ => None,
+            };
+            if text.is_empty() && entry.is_none() && ctx.flavor == Flavor::OpenAi {
                 continue;
             }
+            let offset = outs[choice].text.len();
+            outs[choice].text.push_str(&text);
             let v = match ctx.flavor {
                 Flavor::OpenAi => json!({
-                    "choices": [{ "text": text, "index": 0, "logprobs": null, "finish_reason": null }],
+                    "choices": [{
+                        "text": text,
+                        "index": choice,
+                        "logprobs": match &entry {
+                            Some(e) => openai_logprobs(std::slice::from_ref(e), &[0], offset),
+                            None => Value::Null,
+                        },
+                        "finish_reason": null,
+                    }],
                     "created": ctx.created,
                     "model": ctx.state.cfg.alias,
                     "system_fingerprint": ctx.state.cfg.build_info,
                     "object": "text_completion",
                     "id": ctx.id,
                 }),
-                Flavor::Llama => json!({
-                    "index": 0,
-                    "content": text,
-                    "tokens": id.map(|i| vec![i]).unwrap_or_default(),
-                    "stop": false,
-                    "id_slot": sub.slot,
-                    "tokens_predicted": n_decoded,
-                    "tokens_evaluated": ctx.n_prompt,
-                }),
+                Flavor::Llama => {
+                    let mut v = json!({
+                        "index": 0,
+                        "content": text,
+                        "tokens": id.map(|i| vec![i]).unwrap_or_default(),
+                        "stop": false,
+                        "id_slot": sub.slot,
+                        "tokens_predicted": n_decoded,
+                        "tokens_evaluated": ctx.n_prompt,
+                    });
+                    if let Some(e) = entry {
+                        v["completion_probabilities"] = json!([e]);
+                    }
+                    v
+                }
             };
             if !send(v).await {
                 return;

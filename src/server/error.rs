@@ -114,7 +114,9 @@ impl From<EngineError> for ApiError {
                 ApiError::bad_request(format!("bad sampling parameters: {m}"))
             }
             EngineError::Stopped => ApiError::unavailable("the server is shutting down"),
+            e @ EngineError::TooManyChoices { .. } => ApiError::bad_request(e.to_string()),
             e @ (EngineError::Config(_)
+            | EngineError::Grammar(_)
             | EngineError::UnevenPool { .. }
             | EngineError::WindowTooLong { .. }
             | EngineError::Model(_)) => ApiError::server(e.to_string()),

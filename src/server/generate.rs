@@ -22,9 +22,11 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::error::ApiError;
-use super::request::GenParams;
+use super::request::{field, opt_str, type_name, GenParams, Obj};
 use super::state::AppState;
+use crate::runtime::constraint::{Constraint, GrammarSpec, Grammars};
 use crate::runtime::engine::{Engine, EngineError, Event, Finish, FinishReason, Request};
+use crate::runtime::sampler::TokenProbs;
 // ---------------------------------------------------------------------------------------------
 // Engine bridge
 // ---------------------------------------------------------------------------------------------
@@ -89,6 +91,7 @@ pub async fn submit(
         Some(Event::Started {
             slot,
             cached_tokens,
+            ..
         }) => {
             access.slot(slot);
             Ok(Submission {
@@ -120,6 +123,8 @@ fn bridge(
 ) {
     let mut slot: Option<usize> = None;
     let mut cancelled = false;
+    // A request with n choices ends at its n-th Done.
+    let (mut choices, mut done) = (1, 0);
     loop {
         if !cancelled && state.cancel_all.load(Ordering::Relaxed) {
             handle.cancel();
@@ -131,8 +136,10 @@ fn bridge(
                     Event::Started {
                         slot: s,
                         cached_tokens,
+                        choices: c,
                     } => {
                         slot = Some(*s);
+                        choices = *c;
                         let params = params.clone();
                         state.with_slot(*s, |v| {
                             v.id_task = Some(task_id);
@@ -151,7 +158,10 @@ fn bridge(
                     }
                     _ => {}
                 }
-                let last = matches!(ev, Event::Done(_) | Event::Error(_));
+                if matches!(ev, Event::Done(_)) {
+                    done += 1;
+                }
+                let last = done >= choices || matches!(ev, Event::Error(_));
                 if tx.send(ev).is_err() {
                     // The client is gone: free the slot now.
                     handle.cancel();
@@ -309,7 +319,12 @@ pub(super) fn log_done(state: &AppState, route: &str, f: &Finish, sub: &Submissi
     );
 }
 
-pub(super) fn request_of(state: &AppState, ids: Vec<u32>, gen: &GenParams) -> Request {
+pub(super) fn request_of(
+    state: &AppState,
+    ids: Vec<u32>,
+    gen: &GenParams,
+    constraint: Option<Constraint>,
+) -> Request {
     Request {
         prompt: ids,
         max_tokens: gen
@@ -319,6 +334,10 @@ pub(super) fn request_of(state: &AppState, ids: Vec<u32>, gen: &GenParams) -> Re
         sampler: gen.sampler.clone(),
         stop: gen.stop.clone(),
         ignore_eos: gen.ignore_eos,
+        constraint,
+        probs: gen.probs,
+        n: gen.n,
+        embed: None,
         reasoning_budget: None,
         cache_prompt: gen.cache_prompt,
         special: state.cfg.special,
@@ -333,6 +352,89 @@ pub(super) fn ping_of(state: &AppState, gen: &GenParams) -> Option<Duration> {
         Some(_) => None,
         None => state.cfg.sse_ping,
     }
+}
+
+/// Compiles a request's grammar, a 400 naming what the grammar library rejected.
+pub(super) fn compile_grammar(
+    state: &AppState,
+    spec: &GrammarSpec,
+    after_think: bool,
+) -> Result<Constraint, ApiError> {
+    let g = Grammars::shared(&state.tok).map_err(|e| ApiError::server(e.to_string()))?;
+    g.compile(spec, after_think)
+        .map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// llama-server's `json_schema` and `grammar` fields (either, not both).
+pub(super) fn grammar_fields(body: &Obj) -> Result<Option<GrammarSpec>, ApiError> {
+    let schema = field(body, "json_schema");
+    let grammar = opt_str(body, "grammar")?.filter(|g| !g.trim().is_empty());
+    match (schema, grammar) {
+        (Some(_), Some(_)) => Err(ApiError::bad_request(
+            "'json_schema' and 'grammar' cannot both be given",
+        )),
+        (Some(s), None) => {
+            if !s.is_object() && !s.is_boolean() {
+                return Err(ApiError::bad_request(format!(
+                    "'json_schema' must be an object, not {}",
+                    type_name(s)
+                )));
+            }
+            Ok(Some(GrammarSpec::JsonSchema(s.clone())))
+        }
+        (None, Some(g)) => Ok(Some(match g.trim_start().strip_prefix("%llguidance") {
+            Some(rest) => {
+                // `%llguidance {}` then the Lark grammar, as llama.cpp takes it.
+                let rest = rest.trim_start();
+                let rest = rest.strip_prefix("{}").unwrap_or(rest);
+                GrammarSpec::Lark(rest.to_string())
+            }
+            None => GrammarSpec::Gbnf(g.to_string()),
+        })),
+        (None, None) => Ok(None),
+    }
+}
+
+/// One token's probabilities in llama-server's shape (`logprob` / `top_logprobs`, or `prob` /
+/// `top_probs` with `post_sampling_probs`).
+pub fn token_probs_json(state: &AppState, id: u32, text: &str, p: &TokenProbs) -> Value {
+    let post = p.post_sampling;
+    let val = |x: f32| -> Value {
+        if post {
+            json!(x)
+        } else if x <= 0.0 {
+            // JSON has no -inf: llama-server sends the lowest float.
+            json!(f32::MIN)
+        } else {
+            json!(x.ln())
+        }
+    };
+    let top: Vec<Value> = p
+        .top
+        .iter()
+        .map(|t| {
+            let b = state.tok.decode_bytes(&[t.id], true).unwrap_or_default();
+            json!({
+                "id": t.id,
+                "token": String::from_utf8_lossy(&b),
+                "bytes": b,
+                (if post { "prob" } else { "logprob" }): val(t.p),
+            })
+        })
+        .collect();
+    json!({
+        "id": id,
+        "token": text,
+        "bytes": text.as_bytes(),
+        (if post { "prob" } else { "logprob" }): val(p.p),
+        (if post { "top_probs" } else { "top_logprobs" }): top,
+    })
+}
+
+/// The text of a token as its probabilities report it (specials shown as llama-server's
+/// `common_token_to_piece` with `special` off: not at all).
+pub fn token_text(state: &AppState, id: u32) -> String {
+    String::from_utf8_lossy(&state.tok.decode_bytes(&[id], true).unwrap_or_default()).into_owned()
 }
 
 pub(super) fn params_of(state: &AppState, gen: &GenParams) -> Value {

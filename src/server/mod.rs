@@ -11,6 +11,7 @@
 pub mod access;
 pub mod chat;
 pub mod completion;
+pub mod embeddings;
 pub mod error;
 pub mod generate;
 pub mod listen;
@@ -434,6 +435,10 @@ fn server_config(
         reasoning_format: s.reasoning_format.unwrap_or(ReasoningFormat::Deepseek),
         reasoning: s.reasoning.unwrap_or(Reasoning::Auto),
         mmproj: s.mmproj.as_ref().map(|p| p.display().to_string()),
+        embeddings: s
+            .embeddings
+            .unwrap_or(false)
+            .then(|| s.pooling.unwrap_or(crate::runtime::engine::Pooling::Last)),
         n_ctx_slot: ecfg.n_ctx_slot(),
         total_slots: ecfg.parallel,
         sampler,

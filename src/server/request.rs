@@ -4,7 +4,8 @@
 use serde_json::{Map, Value};
 
 use super::error::ApiError;
-use crate::runtime::sampler::SamplerConfig;
+use crate::runtime::sampler::{ProbsRequest, SamplerConfig};
+use crate::tokenizer::Tokenizer;
 
 pub type Obj = Map<String, Value>;
 
@@ -171,6 +172,153 @@ pub struct GenParams {
     pub sse_ping_interval: Option<i64>,
     /// Each LoRA adapter's scale (`lora`, else the global scales; server/lora.rs).
     pub lora: Vec<f32>,
+    /// Choices (`n`).
+    pub n: usize,
+    /// Per-token probabilities (`n_probs`; chat `logprobs`/`top_logprobs`; `/v1/completions`
+    /// `logprobs: N`).
+    pub probs: Option<ProbsRequest>,
+}
+
+/// Which endpoint reads the body: the fields differ (chat's `logprobs` is a boolean,
+/// `/v1/completions`' a count; `/completion` has `n_probs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    OpenAiCompletion,
+    Completion,
+}
+
+/// llama-server fields tern does not implement: a request that sets one gets a 400 naming it
+/// (with the value that would change nothing accepted).
+const NOT_IMPLEMENTED: &[(&str, &str)] = &[
+    ("samplers", "a custom sampler order"),
+    ("adaptive_target", "the adaptive-p sampler"),
+    ("adaptive_decay", "the adaptive-p sampler"),
+    ("n_keep", "context shifting"),
+    ("n_discard", "context shifting"),
+    ("t_max_predict_ms", "a generation time limit"),
+    ("t_max_prompt_ms", "a prompt time limit"),
+    ("n_indent", "indentation stops"),
+    ("grammar_lazy", "lazy grammars"),
+    ("grammar_triggers", "lazy grammars"),
+    ("preserved_tokens", "lazy grammars"),
+    ("image_data", "image input"),
+    ("multimodal_data", "image input"),
+    ("response_fields", "response field selection"),
+    ("prediction", "predicted outputs"),
+    ("audio", "audio output"),
+    ("web_search_options", "web search"),
+];
+
+fn check_not_implemented(m: &Obj) -> Result<(), ApiError> {
+    for (key, what) in NOT_IMPLEMENTED {
+        let Some(v) = field(m, key) else { continue };
+        let harmless = match (*key, v) {
+            ("n_keep" | "n_discard" | "n_indent" | "t_max_predict_ms" | "t_max_prompt_ms", _) => {
+                v.as_i64().is_some_and(|x| x <= 0)
+            }
+            ("grammar_lazy", Value::Bool(false)) => true,
+            (_, Value::Array(a)) => a.is_empty(),
+            _ => false,
+        };
+        if !harmless {
+            return Err(ApiError::bad_request(format!(
+                "'{key}' is not supported by this server ({what} is not implemented)"
+            )));
+        }
+    }
+    if let Some(id) = opt_i64(m, "id_slot")? {
+        if id >= 0 {
+            return Err(ApiError::bad_request(format!(
+                "'id_slot' = {id}: choosing a slot is not supported (the server picks the slot that reuses the most of the prompt)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn set_f32(m: &Obj, key: &str, dst: &mut f32) -> Result<(), ApiError> {
+    if let Some(v) = opt_f32(m, key)? {
+        *dst = v;
+    }
+    Ok(())
+}
+
+/// A count where -1 means "the whole context" (llama-server's `*_last_n`).
+fn last_n(m: &Obj, key: &str, dst: &mut usize) -> Result<(), ApiError> {
+    if let Some(n) = opt_i64(m, key)? {
+        if n < -1 {
+            return Err(ApiError::bad_request(format!(
+                "'{key}' = {n} must be -1 (the whole context), 0 (off) or positive"
+            )));
+        }
+        *dst = if n == -1 { usize::MAX } else { n as usize };
+    }
+    Ok(())
+}
+
+/// `logit_bias`: OpenAI's object of token-id keys, or llama-server's `[[id, bias]]`,
+/// `[["text", bias]]` (every token of the text) and `false` (ban).
+pub fn logit_bias(m: &Obj, tok: &Tokenizer) -> Result<Vec<(u32, f32)>, ApiError> {
+    let n_vocab = tok.n_vocab();
+    let bias_of = |key: &str, v: &Value| -> Result<f32, ApiError> {
+        match v {
+            Value::Bool(false) => Ok(f32::NEG_INFINITY),
+            Value::Number(n) => n
+                .as_f64()
+                .filter(|x| x.is_finite())
+                .map(|x| x as f32)
+                .ok_or_else(|| ApiError::bad_request(format!("'{key}' = {n} is not a bias"))),
+            v => Err(wrong(key, "a number or false", v)),
+        }
+    };
+    let id_of = |key: &str, t: i64| -> Result<u32, ApiError> {
+        if t < 0 || t as usize >= n_vocab {
+            return Err(ApiError::bad_request(format!(
+                "'{key}': token id {t} is outside the vocabulary (n_vocab {n_vocab})"
+            )));
+        }
+        Ok(t as u32)
+    };
+    let mut out = Vec::new();
+    match field(m, "logit_bias") {
+        None => {}
+        Some(Value::Object(o)) => {
+            for (k, v) in o {
+                let key = format!("logit_bias.{k}");
+                let t: i64 = k.trim().parse().map_err(|_| {
+                    ApiError::bad_request(format!("'{key}': the key must be a token id"))
+                })?;
+                out.push((id_of(&key, t)?, bias_of(&key, v)?));
+            }
+        }
+        Some(Value::Array(a)) => {
+            for (i, e) in a.iter().enumerate() {
+                let key = format!("logit_bias[{i}]");
+                let Some([what, b]) = e.as_array().map(Vec::as_slice) else {
+                    return Err(wrong(&key, "a pair [token id or text, bias]", e));
+                };
+                let bias = bias_of(&key, b)?;
+                match what {
+                    Value::Number(n) => {
+                        let t = n.as_i64().ok_or_else(|| {
+                            ApiError::bad_request(format!("'{key}': {n} is not a token id"))
+                        })?;
+                        out.push((id_of(&key, t)?, bias));
+                    }
+                    Value::String(text) => {
+                        let ids = tok
+                            .encode(text, false, false)
+                            .map_err(|e| ApiError::bad_request(format!("'{key}': {e}")))?;
+                        out.extend(ids.into_iter().map(|t| (t, bias)));
+                    }
+                    v => return Err(wrong(&key, "a token id or a text", v)),
+                }
+            }
+        }
+        Some(v) => return Err(wrong("logit_bias", "an object or an array of pairs", v)),
+    }
+    Ok(out)
 }
 
 /// The server's defaults a request starts from: the model file's sampling and then the flags
@@ -186,7 +334,14 @@ pub struct GenDefaults<'a> {
 
 /// Sampling: the server's defaults (model file, then flags), overridden by the request.
 /// `random_seed` is used when neither the flags nor the request fix one.
-pub fn gen_params(m: &Obj, d: &GenDefaults, max_keys: &[&str]) -> Result<GenParams, ApiError> {
+pub fn gen_params(
+    m: &Obj,
+    d: &GenDefaults,
+    max_keys: &[&str],
+    tok: &Tokenizer,
+    endpoint: Endpoint,
+) -> Result<GenParams, ApiError> {
+    check_not_implemented(m)?;
     let fixed_seed = d.fixed_seed;
     let mut s = d.sampler.clone();
     if let Some(t) = opt_f32(m, "temperature")?.or(opt_f32(m, "temp")?) {
@@ -199,29 +354,55 @@ pub fn gen_params(m: &Obj, d: &GenDefaults, max_keys: &[&str]) -> Result<GenPara
             k.min(i32::MAX as i64) as usize
         };
     }
-    if let Some(p) = opt_f32(m, "top_p")? {
-        s.top_p = p;
+    set_f32(m, "top_p", &mut s.top_p)?;
+    set_f32(m, "min_p", &mut s.min_p)?;
+    if let Some(v) = opt_f32(m, "typical_p")?.or(opt_f32(m, "typ_p")?) {
+        s.typical_p = v;
     }
-    if let Some(p) = opt_f32(m, "min_p")? {
-        s.min_p = p;
+    set_f32(m, "top_n_sigma", &mut s.top_n_sigma)?;
+    set_f32(m, "xtc_probability", &mut s.xtc_probability)?;
+    set_f32(m, "xtc_threshold", &mut s.xtc_threshold)?;
+    set_f32(m, "dynatemp_range", &mut s.dynatemp_range)?;
+    set_f32(m, "dynatemp_exponent", &mut s.dynatemp_exponent)?;
+    set_f32(m, "repeat_penalty", &mut s.repeat_penalty)?;
+    set_f32(m, "presence_penalty", &mut s.presence_penalty)?;
+    set_f32(m, "frequency_penalty", &mut s.frequency_penalty)?;
+    last_n(m, "repeat_last_n", &mut s.penalty_last_n)?;
+    set_f32(m, "dry_multiplier", &mut s.dry_multiplier)?;
+    set_f32(m, "dry_base", &mut s.dry_base)?;
+    if let Some(n) = opt_i64(m, "dry_allowed_length")? {
+        s.dry_allowed_length = n.max(0) as usize;
     }
-    if let Some(p) = opt_f32(m, "presence_penalty")? {
-        s.presence_penalty = p;
-    }
-    if let Some(p) = opt_f32(m, "frequency_penalty")? {
-        s.frequency_penalty = p;
-    }
-    if let Some(p) = opt_f32(m, "repeat_penalty")? {
-        s.repeat_penalty = p;
-    }
-    if let Some(n) = opt_i64(m, "repeat_last_n")? {
-        if n < -1 {
+    last_n(m, "dry_penalty_last_n", &mut s.dry_penalty_last_n)?;
+    let breakers: Vec<String> = match field(m, "dry_sequence_breakers") {
+        None => crate::runtime::sampler::DRY_BREAKERS
+            .iter()
+            .map(|b| b.to_string())
+            .collect(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Value::String(b) => Ok(b.clone()),
+                v => Err(wrong(&format!("dry_sequence_breakers[{i}]"), "a string", v)),
+            })
+            .collect::<Result<_, _>>()?,
+        Some(v) => return Err(wrong("dry_sequence_breakers", "an array of strings", v)),
+    };
+    if let Some(v) = opt_i64(m, "mirostat")? {
+        if !(0..=2).contains(&v) {
             return Err(ApiError::bad_request(format!(
-                "'repeat_last_n' = {n} must be -1 (the whole context), 0 (off) or positive"
+                "'mirostat' = {v} must be 0 (off), 1 or 2"
             )));
         }
-        s.penalty_last_n = if n == -1 { usize::MAX } else { n as usize };
+        s.mirostat = v as u8;
     }
+    set_f32(m, "mirostat_tau", &mut s.mirostat_tau)?;
+    set_f32(m, "mirostat_eta", &mut s.mirostat_eta)?;
+    if let Some(k) = opt_i64(m, "min_keep")? {
+        s.min_keep = k.max(0) as usize;
+    }
+    s.logit_bias = logit_bias(m, tok)?;
     s.seed = match opt_i64(m, "seed")? {
         Some(-1) | None => fixed_seed.unwrap_or_else(random_seed),
         Some(x) if x < 0 => {
@@ -233,18 +414,62 @@ pub fn gen_params(m: &Obj, d: &GenDefaults, max_keys: &[&str]) -> Result<GenPara
     };
     s.validate()
         .map_err(|e| ApiError::bad_request(format!("bad sampling parameters: {e}")))?;
-    if let Some(n) = opt_i64(m, "n")? {
-        if n != 1 {
+    if s.dry_multiplier > 0.0 && s.dry_base >= 1.0 && s.dry_penalty_last_n > 0 {
+        let piece = |id: u32| tok.decode_bytes(&[id], false).unwrap_or_default();
+        let enc = |t: &str| tok.encode(t, false, false).unwrap_or_default();
+        s.dry_breakers =
+            crate::runtime::sampler::dry_breakers(&breakers, &piece, tok.n_vocab(), &enc);
+    }
+    let n = match opt_i64(m, "n")? {
+        None => 1,
+        Some(n) if n < 1 => {
             return Err(ApiError::bad_request(format!(
-                "'n' = {n}: only n = 1 is supported"
+                "'n' = {n} must be at least 1"
+            )))
+        }
+        Some(n) if n > 1 && endpoint == Endpoint::Completion => {
+            return Err(ApiError::bad_request(format!(
+                "'n' = {n}: /completion returns one completion; use /v1/completions or /v1/chat/completions for several choices"
+            )))
+        }
+        Some(n) => n.min(1024) as usize,
+    };
+    let post_sampling = opt_bool(m, "post_sampling_probs")?.unwrap_or(false);
+    let count = |key: &str, n: i64| -> Result<usize, ApiError> {
+        if !(0..=1024).contains(&n) {
+            return Err(ApiError::bad_request(format!(
+                "'{key}' = {n} must be between 0 and 1024"
             )));
         }
-    }
-    if opt_bool(m, "logprobs")? == Some(true) {
-        return Err(ApiError::bad_request(
-            "'logprobs' is not supported by this server",
-        ));
-    }
+        Ok(n as usize)
+    };
+    let n_probs = match endpoint {
+        Endpoint::Chat => {
+            let top = opt_i64(m, "top_logprobs")?;
+            match (opt_bool(m, "logprobs")?, top) {
+                // llama-server reports 20 alternatives when top_logprobs is not given.
+                (Some(true), t) => Some(count("top_logprobs", t.unwrap_or(20))?),
+                (_, Some(_)) => {
+                    return Err(ApiError::bad_request(
+                        "'top_logprobs' requires 'logprobs' to be true",
+                    ))
+                }
+                _ => None,
+            }
+        }
+        Endpoint::OpenAiCompletion => match field(m, "logprobs") {
+            None => opt_i64(m, "n_probs")?
+                .filter(|&n| n > 0)
+                .map(|n| count("n_probs", n))
+                .transpose()?,
+            Some(Value::Bool(b)) => b.then_some(1),
+            Some(_) => Some(count("logprobs", opt_i64(m, "logprobs")?.unwrap_or(0))?),
+        },
+        Endpoint::Completion => opt_i64(m, "n_probs")?
+            .filter(|&n| n > 0)
+            .map(|n| count("n_probs", n))
+            .transpose()?,
+    };
     let include_usage = match field(m, "stream_options") {
         None => false,
         Some(Value::Object(o)) => opt_bool(o, "include_usage")?.unwrap_or(false),
@@ -274,6 +499,8 @@ pub fn gen_params(m: &Obj, d: &GenDefaults, max_keys: &[&str]) -> Result<GenPara
         include_usage,
         cache_prompt: opt_bool(m, "cache_prompt")?.unwrap_or(d.cache_prompt),
         sse_ping_interval,
+        n,
+        probs: n_probs.map(|n| ProbsRequest { n, post_sampling }),
     })
 }
 
@@ -304,7 +531,7 @@ pub fn prompt_field(m: &Obj, key: &str) -> Result<Prompt, ApiError> {
     prompt_value(v, key)
 }
 
-fn prompt_value(v: &Value, key: &str) -> Result<Prompt, ApiError> {
+pub fn prompt_value(v: &Value, key: &str) -> Result<Prompt, ApiError> {
     match v {
         Value::String(s) => Ok(Prompt::Text(s.clone())),
         Value::Array(a) if a.iter().all(Value::is_number) => a

@@ -15,6 +15,7 @@ use serde_json::{json, Value};
 
 use super::chat::{self, render_chat};
 use super::completion;
+use super::embeddings;
 use super::error::ApiError;
 use super::generate::unix_now;
 use super::request::{field, opt_bool, parse_object, type_name};
@@ -46,6 +47,9 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
             "/lora-adapters",
             get(super::lora::get_adapters).post(super::lora::post_adapters),
         )
+        .route("/v1/embeddings", post(embeddings::embeddings_oai))
+        .route("/embedding", post(embeddings::embedding_native))
+        .route("/embeddings", post(embeddings::embedding_native))
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), gate))
         .layer(DefaultBodyLimit::max(body_limit));

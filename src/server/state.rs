@@ -97,6 +97,8 @@ pub struct ServerConfig {
     /// `--chat-template-kwargs`, `--reasoning-effort`, `--reasoning-preserve`.
     pub template_kwargs: Map<String, Value>,
     pub budget: BudgetDefaults,
+    /// `--embeddings`: the embedding routes are served, pooled so.
+    pub embeddings: Option<crate::runtime::engine::Pooling>,
     pub reasoning_format: ReasoningFormat,
     pub reasoning: Reasoning,
     /// A projector file was given (`--mmproj`); tern cannot run it yet.

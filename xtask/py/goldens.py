@@ -25,6 +25,10 @@ Per fixture `<stem>` (file name without .gguf) it writes into --out:
                      causal attention over the rows with a fresh KV.
   <stem>.mtp_h.npy   the MTP head's h' rows (post shared_head_norm), float32 [T, n_embd].
   tokens.json        tokenizer golden from the first fixture.
+  embeddings.json    only with --embeddings (and then nothing else is written): llama.cpp's
+                     pooled embeddings (llama-cpp-python `embedding=True`, pooling last and mean,
+                     L2-normalized by `embed(normalize=True)`) of EMBED_TEXTS on EMBED_FILES, with
+                     the token ids llama.cpp used.
   manifest.json      sha256, tokens, file names, NMSEs, versions, date.
 
 Checks (exit status 1 when one fails; the manifest is still written with "ok": false):
@@ -91,6 +95,17 @@ TOKENIZER_CASES = [
     ("\n", True),
     ("", True),
 ]
+
+
+# Embedding goldens: the bundled demo model (a trained Shakespeare model) and a random fixture.
+EMBED_FILES = ["fixtures/demo/demo-q8_0.gguf", "fixtures/tiny-q8_0.gguf"]
+EMBED_TEXTS = [
+    "To be, or not to be, that is the question:",
+    "Now is the winter of our discontent",
+    "What light through yonder window breaks?",
+    "Friends, Romans, countrymen, lend me your ears; I come to bury Caesar, not to praise him.",
+]
+LLAMA_POOLING = {"mean": 1, "cls": 2, "last": 3}
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,6 +295,19 @@ def _worker(job_path: str) -> int:
             ids = llm.tokenize(text.encode("utf-8"), add_bos=False, special=special)
             cases.append({"text": text, "parse_special": special, "ids": [int(i) for i in ids]})
         Path(job["out"]).write_text(json.dumps(cases, ensure_ascii=False))
+    elif kind == "embed":
+        from llama_cpp import Llama
+        out = []
+        for pooling in job["poolings"]:
+            llm = Llama(model_path=job["model"], embedding=True, pooling_type=LLAMA_POOLING[pooling],
+                        n_ctx=256, n_batch=256, n_ubatch=256, n_threads=2, verbose=True, seed=0)
+            for text in job["texts"]:
+                ids = llm.tokenize(text.encode("utf-8"), add_bos=True, special=False)
+                e = llm.embed(text, normalize=True)
+                out.append({"text": text, "pooling": pooling, "tokens": [int(i) for i in ids],
+                            "embedding": [float(x) for x in e]})
+            del llm
+        Path(job["out"]).write_text(json.dumps(out))
     elif kind == "mtp":
         import llama_mtp
         h = np.load(job["h"])
@@ -452,6 +480,31 @@ def tokenizer_golden(model_path: Path, model_label: str, out: Path, tmp: Path) -
     return {"file": "tokens.json", "model": model_label, "n_cases": len(cases)}
 
 
+def embeddings_golden(out: Path) -> int:
+    import llama_cpp
+    tmp = Path(tempfile.mkdtemp(prefix="tern-goldens-"))
+    cases = []
+    try:
+        for f in EMBED_FILES:
+            ok, why = run_llama({"kind": "embed", "model": f, "texts": EMBED_TEXTS,
+                                 "poolings": ["last", "mean"], "out": str(tmp / "embd.json")}, tmp)
+            if not ok:
+                print(f"FAIL {f}: {why}", file=sys.stderr)
+                return 1
+            for c in json.loads((tmp / "embd.json").read_text()):
+                cases.append({"file": f, **c})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    doc = {"generator": "xtask/py/goldens.py --embeddings", "llama_cpp_python": llama_cpp.__version__,
+           "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "how": "Llama(embedding=True, pooling_type=...).embed(text, normalize=True): L2-normalized",
+           "cases": cases}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "embeddings.json").write_text(dumps_compact(doc) + "\n")
+    print(f"[goldens] wrote {out / 'embeddings.json'} ({len(cases)} cases)", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--_worker"]:
@@ -469,7 +522,11 @@ def main(argv=None) -> int:
                     help="KV-cache type for the exact golden (default f32: exact f32 math; f16 = llama.cpp default)")
     ap.add_argument("--no-llama-mtp", action="store_true", help="skip the llama.cpp graph_mtp cross-check")
     ap.add_argument("--no-tokenizer", action="store_true", help="skip tokens.json")
+    ap.add_argument("--embeddings", action="store_true",
+                    help="write only OUT/embeddings.json (llama.cpp's pooled embeddings of EMBED_TEXTS)")
     a = ap.parse_args(argv)
+    if a.embeddings:
+        return embeddings_golden(a.out or Path("fixtures/golden"))
 
     if a.fixtures is not None:
         mf = a.fixtures / "manifest.json"

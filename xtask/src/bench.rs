@@ -289,8 +289,12 @@ pub fn kernels() -> Result<()> {
 
 /// `cargo xtask bench --engine`: the serving engine on one file: decode tokens/s for 1 and 3
 /// concurrent streams (aggregate), f16 and q8_0 V, MTP drafting off and on, with the
-/// acceptance rate. Greedy, the same prompt per stream.
-pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
+/// acceptance rate; and with f16 V, the same again under a JSON schema (constrained decoding:
+/// the grammar's mask computed while the forward runs) beside its unconstrained twin. Greedy,
+/// the same prompt per stream.
+/// `schema_only`: only the rows that measure constrained decoding (f16 V, with and without the
+/// schema), for a file too slow to run every row.
+pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> Result<()> {
     use std::sync::Arc;
     use tern::backend::KvTypes;
     use tern::runtime::engine::{Engine, EngineConfig, Request};
@@ -302,12 +306,19 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
     let tok = Arc::new(tern::tokenizer::Tokenizer::from_gguf(&g)?);
     let has_mtp = tern::model::Config::from_gguf(&g)?.has_mtp();
     let prompt = prompt(64);
+    // A schema whose output is long enough for every decoded token to be constrained.
+    let schema = json!({"type": "object", "properties": {"lines": {"type": "array",
+        "items": {"type": "string"}, "minItems": 64}}, "required": ["lines"]});
+    let grammars = tern::runtime::constraint::Grammars::new(tok.clone())
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let json_spec = tern::runtime::constraint::GrammarSpec::JsonSchema(schema);
     let mut rows = Vec::new();
     println!(
-        "{:<8} {:>7} {:>6} {:>8} {:>14} {:>12} {:>10} {:>10} {:>12} {:>12}",
+        "{:<8} {:>7} {:>6} {:>8} {:>8} {:>14} {:>12} {:>10} {:>10} {:>12} {:>12}",
         "backend",
         "streams",
         "V",
+        "schema",
         "drafting",
         "decode t/s",
         "accept",
@@ -317,7 +328,14 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
         "compute MiB"
     );
     for parallel in [1usize, 3] {
-        for v in [GgmlType::F16, GgmlType::Q8_0] {
+        for (v, constrained) in [
+            (GgmlType::F16, false),
+            (GgmlType::F16, true),
+            (GgmlType::Q8_0, false),
+        ] {
+            if schema_only && v != GgmlType::F16 {
+                continue;
+            }
             for spec in [false, true] {
                 if spec && !has_mtp {
                     continue;
@@ -342,16 +360,23 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                     let t0 = Instant::now();
                     let hs: Vec<_> = (0..parallel)
                         .map(|_| {
-                            e.submit(Request {
+                            let constraint = if constrained {
+                                Some(grammars.compile(&json_spec, false)?)
+                            } else {
+                                None
+                            };
+                            Ok(e.submit(Request {
                                 prompt: prompt.clone(),
                                 max_tokens: decode,
                                 sampler: SamplerConfig::greedy(),
                                 stop: vec![],
                                 ignore_eos: true,
+                                constraint,
                                 ..Default::default()
-                            })
+                            }))
                         })
-                        .collect();
+                        .collect::<Result<_, tern::runtime::constraint::ConstraintError>>()
+                        .map_err(|e| anyhow::anyhow!("{e}"))?;
                     let mut decode_s = 0f64;
                     let mut prompt_tps = 0f64;
                     let mut n = 0usize;
@@ -377,24 +402,37 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                         a.compute.unwrap_or(0),
                     ))
                 };
+                // The best of three runs on one engine: the box is shared, and a slower run
+                // measures the neighbours, not the engine.
+                let best = |e: &Engine| -> Result<(f64, f64, f64, u64, u64, u64)> {
+                    let mut best = run(e)?;
+                    for _ in 1..3 {
+                        let r = run(e)?;
+                        if r.0 > best.0 {
+                            best = r;
+                        }
+                    }
+                    Ok(best)
+                };
                 let (tps, acc, ptps, kvb, rcb, cb) = match backend {
                     "wgpu" => {
                         let be = tern::backend::wgpu::WgpuBackend::new()?;
                         let m = Model::load(&be, g.clone())?;
-                        run(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
+                        best(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
                     }
                     _ => {
                         let be = CpuBackend::new();
                         let m = Model::load(&be, g.clone())?;
-                        run(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
+                        best(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
                     }
                 };
                 let mib = |b: u64| b as f64 / (1 << 20) as f64;
                 println!(
-                    "{:<8} {:>7} {:>6} {:>8} {:>14.2} {:>12} {:>10.1} {:>10.2} {:>12.2} {:>12.2}",
+                    "{:<8} {:>7} {:>6} {:>8} {:>8} {:>14.2} {:>12} {:>10.1} {:>10.2} {:>12.2} {:>12.2}",
                     backend,
                     parallel,
                     v.name(),
+                    if constrained { "json" } else { "-" },
                     if spec { "mtp-3" } else { "off" },
                     tps,
                     if spec {
@@ -407,7 +445,7 @@ pub fn engine(file: &Path, backend: &str, decode: usize) -> Result<()> {
                     mib(rcb),
                     mib(cb)
                 );
-                rows.push(json!({"backend": backend, "streams": parallel, "cache_v": v.name(), "drafting": spec,
+                rows.push(json!({"backend": backend, "streams": parallel, "cache_v": v.name(), "json_schema": constrained, "drafting": spec,
                     "decode_tps_aggregate": tps, "acceptance": acc, "prompt_tps": ptps,
                     "kv_bytes_allocated": kvb, "state_bytes_allocated": rcb, "compute_bytes_allocated": cb}));
             }

@@ -34,8 +34,9 @@ const USAGE: &str = "usage: cargo xtask <task>
                         device's copy bandwidth measured in the same run (cuda needs
                         `cargo run --release -p xtask --features cuda -- bench ...`)
   bench --kernels       single-thread dot_row throughput per weight type
-  bench --engine [--wgpu] [FILE]
-                        the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on
+  bench --engine [--wgpu] [--schema-only] [FILE]
+                        the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on,
+                        f16 V under a JSON schema (--schema-only: only f16 V, with and without)
   gpu-kit [--out DIR]   build, without a GPU, the kit that checks the cuda and wgpu backends on an
                         NVIDIA machine with no Rust toolchain (default target/gpu-kit; cuda/README.md)
   llama-flags [--arg-cpp FILE]
@@ -210,7 +211,8 @@ fn main() -> Result<()> {
                 } else {
                     "cpu"
                 };
-                return bench::engine(&file, backend, 32);
+                let schema_only = rest.iter().any(|a| a.as_str() == "--schema-only");
+                return bench::engine(&file, backend, 32, schema_only);
             }
             let mut it = args[1..].iter();
             let num = |v: Option<&String>, flag: &str| -> Result<usize> {

@@ -594,6 +594,24 @@ impl Backend for CpuBackend {
         ((rs.conv.len() + rs.ssm.len()) * 4) as u64
     }
 
+    fn kv_copy(&self, from: &Kv, to: &mut Kv) {
+        assert_eq!(from.width, to.width, "kv_copy: geometry");
+        for (a, b) in [(&from.k, &mut to.k), (&from.v, &mut to.v)] {
+            match (a, b) {
+                (KvStore::F32(x), KvStore::F32(y)) => {
+                    y.clear();
+                    y.extend_from_slice(x);
+                }
+                (KvStore::Blocks { data: x, .. }, KvStore::Blocks { data: y, .. }) => {
+                    y.clear();
+                    y.extend_from_slice(x);
+                }
+                _ => panic!("kv_copy: the caches have different dtypes"),
+            }
+        }
+        to.len = from.len;
+    }
+
     fn kv_truncate(&self, kv: &mut Kv, len: usize) {
         if len < kv.len {
             kv.k.truncate(kv.width, len);

@@ -149,6 +149,21 @@ fn regrow<D: Device>(
     Ok(())
 }
 
+/// Makes `to` hold `from`'s rows (a fork of one prompt's cache).
+pub fn kv_copy<D: Device>(be: &GpuBackend<D>, from: &Kv<D>, to: &mut Kv<D>) {
+    assert_eq!(
+        (from.k.row_words, from.v.row_words, from.k.ty, from.v.ty),
+        (to.k.row_words, to.v.row_words, to.k.ty, to.v.ty),
+        "kv_copy: geometry and dtypes"
+    );
+    reserve(be, to, from.len);
+    for (a, b) in [(&from.k, &to.k), (&from.v, &to.v)] {
+        be.dev
+            .copy(&a.mem, 0, &b.mem, 0, (from.len * a.row_words * 4) as u64);
+    }
+    to.len = from.len;
+}
+
 /// Grows the buffers to hold `needed` positions, keeping the first `len` rows.
 fn reserve<D: Device>(be: &GpuBackend<D>, kv: &mut Kv<D>, needed: usize) {
     if needed <= kv.capacity {

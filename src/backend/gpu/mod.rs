@@ -573,6 +573,10 @@ impl<D: Device> Backend for GpuBackend<D> {
         kv.len = kv.len.min(len);
     }
 
+    fn kv_copy(&self, from: &Kv<D>, to: &mut Kv<D>) {
+        attention::kv_copy(self, from, to)
+    }
+
     fn attention(
         &self,
         p: &AttnParams,
