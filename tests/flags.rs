@@ -70,6 +70,7 @@ fn sample(spelling: &str) -> &'static str {
         }
         "--spec-type" => "draft-mtp",
         "--reasoning-format" => "none",
+        "--pooling" => "mean",
         "--reasoning" => "off",
         "--reasoning-effort" => "low",
         "--reasoning-budget" => "64",

@@ -20,7 +20,7 @@ use crate::runtime::engine::{Event, Pooling, Request};
 
 /// `POST /v1/embeddings`.
 pub async fn embeddings_oai(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
-    match embeddings_impl(state, body.0, true).await {
+    match embeddings_impl(state, body.0, body.1, true).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -28,7 +28,7 @@ pub async fn embeddings_oai(State(state): State<Arc<AppState>>, body: RawBody) -
 
 /// `POST /embedding` (and `/embeddings`): llama-server's own shape.
 pub async fn embedding_native(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
-    match embeddings_impl(state, body.0, false).await {
+    match embeddings_impl(state, body.0, body.1, false).await {
         Ok(r) => r,
         Err(e) => e.into_response(),
     }
@@ -54,6 +54,7 @@ pub fn normalize(v: &mut [f32], p: i64) {
 async fn embeddings_impl(
     state: Arc<AppState>,
     bytes: axum::body::Bytes,
+    access: super::Access,
     mut oai: bool,
 ) -> Result<Response, ApiError> {
     let Some(pooling) = state.cfg.embeddings else {
@@ -135,7 +136,7 @@ async fn embeddings_impl(
             embed: Some(pooling),
             ..Default::default()
         };
-        subs.push((n, submit(&state, req, json!({})).await?));
+        subs.push((n, submit(&state, req, json!({}), access.clone()).await?));
     }
     let mut results = Vec::with_capacity(subs.len());
     for (index, (n_tokens, mut sub)) in subs.into_iter().enumerate() {
@@ -157,6 +158,7 @@ async fn embeddings_impl(
         }
         results.push((index, n_tokens, rows));
     }
+    access.tokens(results.iter().map(|r| r.1).sum(), 0, 0);
     if !oai {
         let out: Vec<Value> = results
             .into_iter()
