@@ -25,7 +25,7 @@ use crate::model::Model;
 use crate::plan::BackendKind;
 use crate::runtime::engine::{Engine, EngineConfig};
 use crate::runtime::sampler::Sampler;
-use crate::server::request::{gen_params, GenDefaults};
+use crate::server::request::{gen_params, Endpoint, GenDefaults};
 use crate::server::state::AppState;
 
 /// A booted server without an engine, driven in process.
@@ -223,7 +223,7 @@ impl Target {
             .map(str::to_string);
         // The sampling parameters an accepted body carries, drawn once.
         if let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(body) {
-            if let Some(v) = self.check_sampling(&obj) {
+            if let Some(v) = self.check_sampling(route, &obj) {
                 return v;
             }
         }
@@ -264,13 +264,26 @@ impl Target {
 
     /// Draws from the sampler with the request's parameters over rows with extreme but finite
     /// logits: the draw must be a token of the row.
-    fn check_sampling(&self, obj: &Map<String, Value>) -> Option<Verdict> {
+    fn check_sampling(&self, route: &str, obj: &Map<String, Value>) -> Option<Verdict> {
         // A fixed seed where the request gives none, so that a case replays the same draw.
         let d = GenDefaults {
             fixed_seed: Some(7),
             ..self.state.gen_defaults()
         };
-        let p = gen_params(obj, &d, &["n_predict", "max_tokens"]).ok()?;
+        // The fields a body may carry depend on the route that reads it (as the server parses).
+        let endpoint = match route {
+            "/v1/completions" | "/completions" => Endpoint::OpenAiCompletion,
+            "/completion" => Endpoint::Completion,
+            _ => Endpoint::Chat,
+        };
+        let p = gen_params(
+            obj,
+            &d,
+            &["n_predict", "max_tokens"],
+            &self.state.tok,
+            endpoint,
+        )
+        .ok()?;
         let rows: [Vec<f32>; 3] = [
             (0..64)
                 .map(|i| ((i * 37 % 64) as f32 - 32.0) * 0.37)

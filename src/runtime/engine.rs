@@ -1047,6 +1047,7 @@ impl<B: Backend> Worker<B> {
             } else {
                 self.rewind(best, reuse);
             }
+            // The forks take the scales from fork_state, with the state computed under them.
             let slot = &mut self.slots[best];
             if let Some(m) = slot.dec.mtp.as_mut() {
                 m.state.lora = lora.clone();
@@ -1124,9 +1125,12 @@ impl<B: Backend> Worker<B> {
             }
         }
         b.dec.seq.pos = a.dec.seq.pos;
+        // The copied cache was computed under these adapter scales (reusable() compares them).
+        b.dec.seq.lora = a.dec.seq.lora.clone();
         if let (Some(x), Some(y)) = (a.dec.mtp.as_ref(), b.dec.mtp.as_mut()) {
             be.kv_copy(&x.state.kv, &mut y.state.kv);
             y.state.pos = x.state.pos;
+            y.state.lora = x.state.lora.clone();
             y.pending_h = be.rows(&x.pending_h, 0, 1);
         }
         for (x, y) in a.ckpt.rs.iter().zip(b.ckpt.rs.iter_mut()) {

@@ -196,8 +196,7 @@ impl<B: Backend> SlotDecoder<B> {
         let t = picked.as_ref().unwrap_or(logits);
         // Plain greedy needs only the id from the device; a mask or probabilities need the row.
         let id_only = self.sampler.is_greedy() && mask.is_none() && self.probs.is_none();
-        let host =
-            (!id_only || be.name() == "cpu" || self.last.is_none()).then(|| be.to_host(t));
+        let host = (!id_only || be.name() == "cpu" || self.last.is_none()).then(|| be.to_host(t));
         if let Some(h) = &host {
             if let Some((token, value)) = non_finite(h) {
                 return Err(ModelError::NonFiniteLogits { row, token, value });

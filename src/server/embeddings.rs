@@ -127,6 +127,8 @@ async fn embeddings_impl(
         ids_all.push(ids);
     }
     // Every input is queued at once: the engine runs them on as many slots as are free.
+    // Embeddings take the global adapter scales (llama-server reads no `lora` field here).
+    let lora = state.lora.global();
     let mut subs = Vec::with_capacity(ids_all.len());
     for ids in ids_all {
         let n = ids.len();
@@ -134,6 +136,7 @@ async fn embeddings_impl(
             prompt: ids,
             max_tokens: 0,
             embed: Some(pooling),
+            lora: lora.clone(),
             ..Default::default()
         };
         subs.push((n, submit(&state, req, json!({}), access.clone()).await?));
