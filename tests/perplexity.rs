@@ -123,9 +123,8 @@ fn perplexity_equals_llama_perplexity() {
     check_run("ci");
 }
 
-/// The whole held-out text (297 chunks; about 25 s on two cores): `--ignored`.
+/// The whole held-out text (297 chunks; about 25 s on two cores).
 #[test]
-#[ignore]
 fn perplexity_equals_llama_perplexity_on_the_whole_text() {
     check_run("full");
 }

@@ -51,7 +51,8 @@ pub fn lora_cost(file: &Path, backend: &str, rank: usize, decode: usize) -> Resu
             pairs += 1;
         }
     }
-    let lora_read = (lora_flops / 2) * 2; // F16: 2 bytes per element.
+    // F16 pairs: 2 bytes per element, rank·(n_in + n_out) elements = lora_flops / 2.
+    let lora_read = lora_flops;
 
     let prompt: Vec<u32> = (0..64u32).map(|i| 1 + (i * 7919) % 1000).collect();
     let ecfg = EngineConfig {
