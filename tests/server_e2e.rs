@@ -6,21 +6,13 @@
 mod server_common;
 
 use std::io::Read;
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use server_common::{eventually, fixture, get};
+use server_common::{eventually, fixture, free_port, get};
 
 const TERN: &str = env!("CARGO_BIN_EXE_tern");
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// Kills the server if a check fails before SIGTERM.
 struct Server(Option<Child>);

@@ -7,22 +7,14 @@
 
 mod server_common;
 
-use std::net::{SocketAddr, TcpListener};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use serde_json::{json, Value};
-use server_common::{eventually, fixture, get, post};
+use server_common::{eventually, fixture, free_port, get, post};
 
 const TERN: &str = env!("CARGO_BIN_EXE_tern");
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 struct Server(Child);
 

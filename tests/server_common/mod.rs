@@ -186,6 +186,15 @@ pub fn request(
     }
 }
 
+/// A port nothing listens on now (for a `tern serve` child process).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 pub fn get(addr: SocketAddr, path: &str) -> Resp {
     request(addr, "GET", path, &[], None)
 }
