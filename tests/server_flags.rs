@@ -97,15 +97,15 @@ fn api_keys_slots_props_and_the_ui_setting() {
     assert!(r.text().contains("unregister"));
     h.stop().unwrap();
 
-    // The defaults: /slots on, POST /props refused, the UI on but not built yet.
+    // The defaults: /slots on, POST /props refused, the UI on (tests/webui.rs checks the page).
     let h = start();
     assert_eq!(get(h.addr, "/slots").status, 200);
     let r = post(h.addr, "/props", &json!({}));
     assert_eq!(r.status, 501);
     assert!(r.text().contains("--props"));
     let r = get(h.addr, "/");
-    assert_eq!(r.status, 501);
-    assert!(r.text().contains("no web UI yet"), "{}", r.text());
+    assert_eq!(r.status, 200);
+    assert!(r.header("content-type").unwrap().starts_with("text/html"));
     assert_eq!(get(h.addr, "/sw.js").status, 404);
     h.stop().unwrap();
 }

@@ -218,7 +218,6 @@ const NO_NGRAM: How =
     warn("only llama.cpp's n-gram drafters read it; tern drafts with the MTP head");
 const NO_TOOLS: How = refuse("tern has no built-in agent tools, MCP client or MCP proxy");
 const NO_ROUTER: How = refuse("tern serves one model: there is no router mode");
-const NO_WEBUI_YET: How = warn("tern has no web UI yet");
 const PRESET: How =
     refuse("a preset that downloads a model; downloads are not supported, give --model");
 const REMOVED: How = refuse(
@@ -391,8 +390,8 @@ pub const OPTIONS: &[Opt] = &[
     val(&["--cors-headers"], Some("LLAMA_ARG_CORS_HEADERS"), "cors-headers"),
     pair(&["--cors-credentials"], &["--no-cors-credentials"], Some("LLAMA_ARG_CORS_CREDENTIALS"), "cors-credentials"),
     val(&["--api-prefix"], Some("LLAMA_ARG_API_PREFIX"), "api-prefix"),
-    other(&["--ui-config", "--webui-config"], V, Some("LLAMA_ARG_UI_CONFIG"), NO_WEBUI_YET),
-    other(&["--ui-config-file", "--webui-config-file"], V, Some("LLAMA_ARG_UI_CONFIG_FILE"), NO_WEBUI_YET),
+    val(&["--ui-config", "--webui-config"], Some("LLAMA_ARG_UI_CONFIG"), "ui-config"),
+    val(&["--ui-config-file", "--webui-config-file"], Some("LLAMA_ARG_UI_CONFIG_FILE"), "ui-config-file"),
     pair_how(&["--ui-mcp-proxy", "--webui-mcp-proxy"], &["--no-ui-mcp-proxy", "--no-webui-mcp-proxy"], Some("LLAMA_ARG_UI_MCP_PROXY"), NO_TOOLS, warn("tern has no MCP proxy to turn off")),
     other(&["--tools"], V, Some("LLAMA_ARG_TOOLS"), NO_TOOLS),
     other(&["--tools-runtime"], V, Some("LLAMA_ARG_TOOLS_RUNTIME"), NO_TOOLS),

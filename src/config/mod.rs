@@ -14,7 +14,7 @@
 //! shows where each value came from. Unknown keys and bad values are errors that name them.
 //!
 //! Relative paths in a config file (`model`, `mmproj`, `chat-template-file`, `api-key-file`,
-//! `log-file`, the adapters of `lora-scaled`) are relative to the file's directory; relative
+//! `ui-config-file`, `log-file`, the adapters of `lora-scaled`) are relative to the file's directory; relative
 //! paths in flags and variables are relative to the working directory.
 
 pub mod flags;
@@ -387,6 +387,14 @@ pub struct Settings {
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub webui: Option<bool>,
+    /// JSON of the web UI's default settings (over its own; /props `ui_settings`).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ui_config: Option<String>,
+    /// A file holding the web UI's default settings as JSON (--ui-config wins over it).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ui_config_file: Option<PathBuf>,
     /// Reuse a slot's cached prefix (default true; a request's cache_prompt wins).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -772,6 +780,7 @@ impl Settings {
             &mut self.mmproj,
             &mut self.chat_template_file,
             &mut self.api_key_file,
+            &mut self.ui_config_file,
             &mut self.log_file,
         ]
         .into_iter()
@@ -1033,6 +1042,27 @@ impl Settings {
             );
         }
         Ok(keys)
+    }
+
+    /// The web UI's default settings (`--ui-config`, else `--ui-config-file`): JSON, served
+    /// as /props `ui_settings`, an empty object when neither is given. Text that does not
+    /// parse stops the boot, as in llama-server.
+    pub fn ui_settings(&self) -> Result<Value, ConfigError> {
+        let (key, text) = match (&self.ui_config, &self.ui_config_file) {
+            (Some(t), _) => ("ui-config", t.clone()),
+            (None, Some(p)) => (
+                "ui-config-file",
+                std::fs::read_to_string(p).map_err(|e| ConfigError::Invalid {
+                    key: "ui-config-file",
+                    why: format!("cannot read {}: {e}", p.display()),
+                })?,
+            ),
+            (None, None) => return Ok(Value::Object(Map::new())),
+        };
+        serde_json::from_str(&text).map_err(|e| ConfigError::Invalid {
+            key,
+            why: format!("not JSON: {e}"),
+        })
     }
 }
 

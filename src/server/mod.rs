@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod request;
 pub mod routes;
 pub mod state;
+pub mod webui;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -400,6 +401,7 @@ fn server_config(
         endpoint_slots: s.slots.unwrap_or(true),
         endpoint_props: s.props.unwrap_or(false),
         webui: s.webui.unwrap_or(true),
+        ui_settings: s.ui_settings()?,
         api_prefix: s.api_prefix.clone().unwrap_or_default(),
         cors: Cors {
             origins: s

@@ -20,14 +20,16 @@ use super::error::ApiError;
 use super::generate::unix_now;
 use super::request::{field, opt_bool, parse_object, type_name};
 use super::state::AppState;
+use super::webui;
 use super::Body as RawBody;
 
 /// The app: every route, with `body_limit` bytes the most a request body may carry.
 pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
     let routes = Router::new()
-        .route("/", get(webui))
-        .route("/index.html", get(webui))
-        .route("/sw.js", get(service_worker))
+        .route("/", get(webui::index))
+        .route("/index.html", get(webui::index))
+        .route("/webui/{file}", get(webui::asset))
+        .route("/sw.js", get(webui::service_worker))
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/v1/models", get(models))
@@ -57,7 +59,10 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
     let routes = if prefix.is_empty() {
         routes
     } else {
-        Router::new().nest(&prefix, routes)
+        // llama-server serves its page at PREFIX/; a nested "/" answers only PREFIX.
+        Router::new()
+            .nest(&prefix, routes)
+            .route(&format!("{prefix}/"), get(webui::index))
     };
     routes
         .fallback(not_found)
@@ -123,36 +128,6 @@ async fn cors(State(state): State<Arc<AppState>>, req: Request, next: Next) -> R
     resp
 }
 
-/// `/`: llama-server's web UI. tern has no page yet: with the UI on (the default) the route
-/// says so with a 501; `--no-webui` answers 404 as llama-server does.
-async fn webui(State(state): State<Arc<AppState>>) -> Response {
-    if !state.cfg.webui {
-        return not_found().await;
-    }
-    ApiError::not_supported(
-        "tern has no web UI yet; the API is served under /v1 (start with --no-webui to answer 404 here)",
-    )
-    .into_response()
-}
-
-/// With the UI off, a browser's cached UI service worker is told to remove itself, as
-/// llama-server does.
-async fn service_worker(State(state): State<Arc<AppState>>) -> Response {
-    if state.cfg.webui {
-        return not_found().await;
-    }
-    const REMOVE: &str = "self.addEventListener('install', () => self.skipWaiting());\nself.addEventListener('activate', (e) => e.waitUntil((async () => {\n    await self.registration.unregister();\n    for (const key of await caches.keys()) await caches.delete(key);\n    for (const c of await self.clients.matchAll({ type: 'window' })) c.navigate(c.url);\n})()));\n";
-    (
-        StatusCode::OK,
-        [
-            (header::CONTENT_TYPE, "application/javascript"),
-            (header::CACHE_CONTROL, "no-cache"),
-        ],
-        REMOVE,
-    )
-        .into_response()
-}
-
 /// `POST /props` (`--props`): llama-server accepts it and changes nothing yet; 501 without
 /// the flag.
 async fn props_change(State(state): State<Arc<AppState>>) -> Response {
@@ -184,18 +159,14 @@ async fn method_not_allowed() -> Response {
 
 /// Routes open without an API key: health, and the UI's own paths.
 fn is_public(path: &str) -> bool {
-    matches!(
-        path,
-        "/health" | "/v1/health" | "/" | "/index.html" | "/sw.js"
-    )
+    matches!(path, "/health" | "/v1/health") || webui::is_ui_path(path)
 }
 
 /// llama-server's order: not ready → 503 on every route but the UI's; then the API key (not on
 /// the public routes).
 async fn gate(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let path = req.uri().path();
-    let ui = matches!(path, "/" | "/index.html" | "/sw.js");
-    if state.ready().is_none() && !ui {
+    if state.ready().is_none() && !webui::is_ui_path(path) {
         return ApiError::unavailable("Loading model").into_response();
     }
     if !state.cfg.api_keys.is_empty()
@@ -307,6 +278,7 @@ async fn props(State(state): State<Arc<AppState>>) -> Response {
         "endpoint_props": c.endpoint_props,
         "endpoint_metrics": c.metrics,
         "ui": c.webui,
+        "ui_settings": c.ui_settings,
         "chat_template": state.template.source(),
         "bos_token": c.meta.bos_token,
         "eos_token": c.meta.eos_token,

@@ -77,9 +77,11 @@ pub struct ServerConfig {
     pub endpoint_slots: bool,
     /// `--props`: POST /props is accepted.
     pub endpoint_props: bool,
-    /// `--webui` (default on). tern has no UI page yet: with it on, / answers 501 saying so;
-    /// with `--no-webui`, / answers 404 and /sw.js unregisters a cached UI, as llama-server.
+    /// `--webui` (default on): the chat page at / (server/webui.rs); with `--no-webui`, /
+    /// answers 404 and /sw.js unregisters a cached UI, as llama-server.
     pub webui: bool,
+    /// `--ui-config`/`--ui-config-file`: the page's default settings (/props `ui_settings`).
+    pub ui_settings: Value,
     pub api_prefix: String,
     pub cors: Cors,
     /// `--timeout`: the request head and body must arrive, and each write complete, within it.
