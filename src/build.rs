@@ -28,16 +28,23 @@ fn main() {
         "cargo:rustc-env=TERN_TARGET={}",
         std::env::var("TARGET").unwrap_or_default()
     );
-    // A new commit or a checkout moves HEAD or the branch ref.
-    for p in ["HEAD", "packed-refs"] {
+    // A new commit or a checkout moves HEAD or the branch ref. Only files that exist are
+    // named: cargo counts a missing one as changed on every build, which recompiled the
+    // crate each time in a checkout with no packed-refs.
+    let watch = |p: &str| {
         if let Some(path) = git(&["rev-parse", "--git-path", p]) {
-            println!("cargo:rerun-if-changed={path}");
+            if std::path::Path::new(&path).exists() {
+                println!("cargo:rerun-if-changed={path}");
+            }
         }
-    }
+    };
+    watch("HEAD");
+    // This worktree's HEAD reflog: appended on each commit, checkout or reset here, even when
+    // the branch ref itself is packed.
+    watch("logs/HEAD");
+    watch("packed-refs");
     if let Some(r) = git(&["symbolic-ref", "-q", "HEAD"]) {
-        if let Some(path) = git(&["rev-parse", "--git-path", &r]) {
-            println!("cargo:rerun-if-changed={path}");
-        }
+        watch(&r);
     }
     println!("cargo:rerun-if-changed=src/build.rs");
 }
