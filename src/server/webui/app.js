@@ -28,10 +28,23 @@ function loadJson(key, fallback) {
   }
 }
 
+// What another version of the page (or a hand edit) left in storage is taken only if it has
+// the shape this one reads.
+function storedConvs() {
+  const v = loadJson(KEYS.convs, []);
+  return Array.isArray(v)
+    ? v.filter((c) => c && typeof c.id === "string" && Array.isArray(c.messages))
+    : [];
+}
+function storedSettings() {
+  const v = loadJson(KEYS.settings, {});
+  return v && typeof v === "object" && !Array.isArray(v) ? v : {};
+}
+
 const state = {
-  convs: loadJson(KEYS.convs, []),
+  convs: storedConvs(),
   currentId: localStorage.getItem(KEYS.current),
-  settings: loadJson(KEYS.settings, {}),
+  settings: storedSettings(),
   apiKey: localStorage.getItem(KEYS.apiKey) || "",
   props: null,
   uiDefaults: {}, // the server's --ui-config, under the user's own settings
@@ -848,7 +861,7 @@ function init() {
   // Another tab's changes show here when this one is idle.
   window.addEventListener("storage", (e) => {
     if (e.key === KEYS.convs && !state.busy) {
-      state.convs = loadJson(KEYS.convs, []);
+      state.convs = storedConvs();
       renderList();
       renderMessages();
     }
