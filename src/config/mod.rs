@@ -563,6 +563,24 @@ pub struct Settings {
     #[arg(long, value_parser = mib_arg)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub margin_mib: Option<u64>,
+    /// The largest request body in MiB (default 32): a larger one is a 413.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_body_mb: Option<u64>,
+    /// Seconds a SIGTERM lets running requests finish before they are cut (default 30).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub drain_timeout: Option<u64>,
+    /// Open HTTP connections at most (default 8192, and no more than the descriptor limit
+    /// allows); past it new connections wait in the listen backlog.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<u64>,
+    /// Seconds a client has to send a request head, and an idle keep-alive connection to send
+    /// its next one (default 30; `--timeout` still bounds the body and each write).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub header_timeout: Option<u64>,
 }
 
 /// Parses one `--key=value` into an otherwise empty [`Settings`] (the environment's values).
@@ -852,6 +870,10 @@ impl Settings {
             ("spec-draft-n-max", self.spec_draft_n_max, 0),
             ("spec-draft-n-min", self.spec_draft_n_min, 0),
             ("timeout", self.timeout, 0),
+            ("max-body-mb", self.max_body_mb, 1),
+            ("drain-timeout", self.drain_timeout, 0),
+            ("max-connections", self.max_connections, 1),
+            ("header-timeout", self.header_timeout, 1),
         ] {
             if let Some(v) = v {
                 if v < min || v > int32 {
@@ -1368,6 +1390,10 @@ pub fn default_of(key: &str) -> &'static str {
         "log-colors" => "auto",
         "backend" => "auto",
         "margin-mib" => "1024",
+        "max-body-mb" => "32",
+        "drain-timeout" => "30",
+        "max-connections" => "8192, at most the descriptor limit less 64",
+        "header-timeout" => "30",
         _ => "unset",
     }
 }

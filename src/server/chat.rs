@@ -572,18 +572,26 @@ fn reasoning_budget(
     }))
 }
 
-async fn chat_impl(
-    state: Arc<AppState>,
-    bytes: Bytes,
-    access: super::Access,
-) -> Result<Response, ApiError> {
-    let body = parse_object(&bytes)?;
+/// A chat request parsed, rendered and tokenized, ready for the engine.
+struct PreparedChat {
+    req: crate::runtime::engine::Request,
+    params: Value,
+    parser: ParserConfig,
+    n: usize,
+    stream: bool,
+    include_usage: bool,
+    ping: Option<std::time::Duration>,
+}
+
+/// The CPU work of a chat request (off the async runtime: [`super::limits::off_runtime`]).
+fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat, ApiError> {
+    let body = parse_object(bytes)?;
     if let Some(m) = field(&body, "model") {
         if !m.is_string() {
             return Err(ApiError::bad_request("'model' must be a string"));
         }
     }
-    let rendered = render_chat(&state, &body)?;
+    let rendered = render_chat(state, &body)?;
     let mut gen = gen_params(
         &body,
         &state.gen_defaults(),
@@ -592,37 +600,52 @@ async fn chat_impl(
         Endpoint::Chat,
     )?;
     gen.lora = state.lora.for_request(&body)?;
-    let ids = tokenize(&state, &rendered.prompt)?;
-    check_prompt(&state, &ids)?;
+    let ids = tokenize(state, &rendered.prompt)?;
+    check_prompt(state, &ids)?;
     let constraint = rendered
         .grammar
         .as_ref()
-        .map(|g| compile_grammar(&state, g, rendered.parser.starts_in_reasoning))
+        .map(|g| compile_grammar(state, g, rendered.parser.starts_in_reasoning))
         .transpose()?;
     state.log(
         4,
         format!("chat prompt ({} tokens):\n{}", ids.len(), rendered.prompt),
     );
-    let budget = reasoning_budget(&state, &body, &rendered.prompt)?;
-    let n = gen.n;
-    let mut req = request_of(&state, ids, &gen, constraint);
+    let budget = reasoning_budget(state, &body, &rendered.prompt)?;
+    let mut req = request_of(state, ids, &gen, constraint);
     req.reasoning_budget = budget;
-    let ping = super::generate::ping_of(&state, &gen);
-    let sub = submit(&state, req, params_of(&state, &gen), access).await?;
+    Ok(PreparedChat {
+        req,
+        params: params_of(state, &gen),
+        parser: rendered.parser,
+        n: gen.n,
+        stream: gen.stream,
+        include_usage: gen.include_usage,
+        ping: super::generate::ping_of(state, &gen),
+    })
+}
+
+async fn chat_impl(
+    state: Arc<AppState>,
+    bytes: Bytes,
+    access: super::Access,
+) -> Result<Response, ApiError> {
+    let p = super::limits::off_runtime(&state, move |st| prepare_chat(st, &bytes)).await?;
+    let sub = submit(&state, p.req, p.params, access).await?;
     let id = format!("chatcmpl-{}", crate::chat::random_id(32));
     let created = unix_now();
-    let parsers = (0..n)
-        .map(|_| ChatParser::new(rendered.parser.clone()))
+    let parsers = (0..p.n)
+        .map(|_| ChatParser::new(p.parser.clone()))
         .collect();
-    if gen.stream {
+    if p.stream {
         Ok(stream_chat(
             state,
             sub,
             parsers,
             id,
             created,
-            gen.include_usage,
-            ping,
+            p.include_usage,
+            p.ping,
         ))
     } else {
         collect_chat(&state, sub, parsers, id, created).await

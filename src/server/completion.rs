@@ -45,13 +45,26 @@ pub async fn completion(State(state): State<Arc<AppState>>, body: RawBody) -> Re
     }
 }
 
-async fn completion_impl(
-    state: Arc<AppState>,
-    bytes: Bytes,
-    access: super::Access,
+/// A completion request parsed and tokenized, ready for the engine.
+struct PreparedCompletion {
+    req: crate::runtime::engine::Request,
+    params: Value,
+    prompt_text: String,
+    return_tokens: bool,
+    include_usage: bool,
+    n_prompt: usize,
+    n: usize,
+    stream: bool,
+    ping: Option<std::time::Duration>,
+}
+
+/// The CPU work of a completion request (off the async runtime).
+fn prepare_completion(
+    state: &AppState,
+    bytes: &[u8],
     flavor: Flavor,
-) -> Result<Response, ApiError> {
-    let body = parse_object(&bytes)?;
+) -> Result<PreparedCompletion, ApiError> {
+    let body = parse_object(bytes)?;
     let key = if flavor == Flavor::Llama
         && body.contains_key("content")
         && !body.contains_key("prompt")
@@ -74,44 +87,54 @@ async fn completion_impl(
     gen.lora = state.lora.for_request(&body)?;
     let return_tokens = opt_bool(&body, "return_tokens")?.unwrap_or(false);
     let (ids, prompt_text) = match prompt {
-        Prompt::Text(t) => (tokenize(&state, &t)?, t),
+        Prompt::Text(t) => (tokenize(state, &t)?, t),
         Prompt::Tokens(ids) => {
             let text = state.tok.decode(&ids, false).unwrap_or_default();
             (ids, text)
         }
     };
-    check_prompt(&state, &ids)?;
+    check_prompt(state, &ids)?;
     let constraint = chat_grammar(&body, None, "auto", None)?
-        .map(|g| {
-            compile_grammar(
-                &state,
-                &g,
-                ParserConfig::prompt_opens_thinking(&prompt_text),
-            )
-        })
+        .map(|g| compile_grammar(state, &g, ParserConfig::prompt_opens_thinking(&prompt_text)))
         .transpose()?;
-    let n_prompt = ids.len();
-    let params = params_of(&state, &gen);
-    let n = gen.n;
-    let req = request_of(&state, ids, &gen, constraint);
-    let sub = submit(&state, req, params.clone(), access).await?;
+    Ok(PreparedCompletion {
+        n_prompt: ids.len(),
+        params: params_of(state, &gen),
+        n: gen.n,
+        stream: gen.stream,
+        include_usage: gen.include_usage,
+        ping: super::generate::ping_of(state, &gen),
+        req: request_of(state, ids, &gen, constraint),
+        prompt_text,
+        return_tokens,
+    })
+}
+
+async fn completion_impl(
+    state: Arc<AppState>,
+    bytes: Bytes,
+    access: super::Access,
+    flavor: Flavor,
+) -> Result<Response, ApiError> {
+    let p = super::limits::off_runtime(&state, move |st| prepare_completion(st, &bytes, flavor))
+        .await?;
+    let sub = submit(&state, p.req, p.params.clone(), access).await?;
     let id = format!("cmpl-{}", crate::chat::random_id(32));
     let created = unix_now();
-    let ping = super::generate::ping_of(&state, &gen);
     let ctx = CompletionCtx {
         state,
         id,
         created,
         flavor,
-        params,
-        prompt_text,
-        return_tokens,
-        include_usage: gen.include_usage,
-        n_prompt,
-        n,
+        params: p.params,
+        prompt_text: p.prompt_text,
+        return_tokens: p.return_tokens,
+        include_usage: p.include_usage,
+        n_prompt: p.n_prompt,
+        n: p.n,
     };
-    if gen.stream {
-        Ok(stream_completion(ctx, sub, ping))
+    if p.stream {
+        Ok(stream_completion(ctx, sub, p.ping))
     } else {
         collect_completion(ctx, sub).await
     }

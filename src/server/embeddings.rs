@@ -51,23 +51,21 @@ pub fn normalize(v: &mut [f32], p: i64) {
     v.iter_mut().for_each(|x| *x *= norm);
 }
 
-async fn embeddings_impl(
-    state: Arc<AppState>,
-    bytes: axum::body::Bytes,
-    access: super::Access,
+/// An embedding request parsed and tokenized (off the async runtime).
+struct PreparedEmbeddings {
+    ids_all: Vec<Vec<u32>>,
+    oai: bool,
+    use_base64: bool,
+    embd_normalize: i64,
+    model: Option<String>,
+}
+
+fn prepare_embeddings(
+    state: &AppState,
+    bytes: &[u8],
     mut oai: bool,
-) -> Result<Response, ApiError> {
-    let Some(pooling) = state.cfg.embeddings else {
-        return Err(ApiError::not_supported(
-            "This server does not support embeddings. Start it with `--embeddings`",
-        ));
-    };
-    if oai && pooling == Pooling::None {
-        return Err(ApiError::bad_request(
-            "Pooling type 'none' is not OAI compatible. Please use a different pooling type",
-        ));
-    }
-    let body = parse_object(&bytes)?;
+) -> Result<PreparedEmbeddings, ApiError> {
+    let body = parse_object(bytes)?;
     let (key, input) = match (field(&body, "input"), field(&body, "content")) {
         (Some(v), _) => ("input", v),
         (None, Some(v)) => {
@@ -117,15 +115,48 @@ async fn embeddings_impl(
     let mut ids_all = Vec::with_capacity(prompts.len());
     for p in prompts {
         let ids = match p {
-            Prompt::Text(t) => tokenize(&state, &t)?,
+            Prompt::Text(t) => tokenize(state, &t)?,
             Prompt::Tokens(ids) => ids,
         };
         if ids.is_empty() {
             return Err(ApiError::bad_request("Input content cannot be empty"));
         }
-        check_prompt(&state, &ids)?;
+        check_prompt(state, &ids)?;
         ids_all.push(ids);
     }
+    let model = opt_str(&body, "model")?.map(str::to_string);
+    Ok(PreparedEmbeddings {
+        ids_all,
+        oai,
+        use_base64,
+        embd_normalize,
+        model,
+    })
+}
+
+async fn embeddings_impl(
+    state: Arc<AppState>,
+    bytes: axum::body::Bytes,
+    access: super::Access,
+    oai: bool,
+) -> Result<Response, ApiError> {
+    let Some(pooling) = state.cfg.embeddings else {
+        return Err(ApiError::not_supported(
+            "This server does not support embeddings. Start it with `--embeddings`",
+        ));
+    };
+    if oai && pooling == Pooling::None {
+        return Err(ApiError::bad_request(
+            "Pooling type 'none' is not OAI compatible. Please use a different pooling type",
+        ));
+    }
+    let PreparedEmbeddings {
+        ids_all,
+        oai,
+        use_base64,
+        embd_normalize,
+        model,
+    } = super::limits::off_runtime(&state, move |st| prepare_embeddings(st, &bytes, oai)).await?;
     // Every input is queued at once: the engine runs them on as many slots as are free.
     // Embeddings take the global adapter scales (llama-server reads no `lora` field here).
     let lora = state.lora.global();
@@ -188,9 +219,7 @@ async fn embeddings_impl(
             }
         })
         .collect();
-    let model = opt_str(&body, "model")?
-        .map(str::to_string)
-        .unwrap_or_else(|| state.cfg.alias.clone());
+    let model = model.unwrap_or_else(|| state.cfg.alias.clone());
     Ok(Json(json!({
         "model": model,
         "object": "list",

@@ -16,6 +16,8 @@ pub struct ApiError {
     pub message: String,
     /// Extra fields inside `error` (n_prompt_tokens, n_ctx).
     pub extra: Vec<(&'static str, Value)>,
+    /// Seconds for a `Retry-After` header (a 503 the client may retry).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
@@ -25,7 +27,13 @@ impl ApiError {
             kind,
             message: message.into(),
             extra: Vec::new(),
+            retry_after: None,
         }
+    }
+
+    pub fn retry_after(mut self, secs: u64) -> ApiError {
+        self.retry_after = Some(secs);
+        self
     }
 
     pub fn bad_request(message: impl Into<String>) -> ApiError {
@@ -98,7 +106,12 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.to_json())).into_response()
+        let mut r = (self.status, axum::Json(self.to_json())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        r
     }
 }
 

@@ -75,6 +75,9 @@ pub async fn submit(
     params: Value,
     access: super::Access,
 ) -> Result<Submission, ApiError> {
+    if state.drain.is_on() {
+        return Err(state.drain.refusal());
+    }
     let engine = engine(state)?;
     let t0 = Instant::now();
     let max_tokens = Some(req.max_tokens);
@@ -87,7 +90,14 @@ pub async fn submit(
     tokio::task::spawn_blocking(move || {
         bridge(&st, handle, tx, task_id, n_prompt, max_tokens, params)
     });
-    match rx.recv().await {
+    // A request still waiting for a slot when the drain begins is refused at once (dropping
+    // `rx` makes the bridge cancel it in the engine's queue).
+    let first = tokio::select! {
+        biased;
+        ev = rx.recv() => ev,
+        _ = state.drain.begun() => return Err(state.drain.refusal()),
+    };
+    match first {
         Some(Event::Started {
             slot,
             cached_tokens,
@@ -459,7 +469,10 @@ pub(super) fn finish_reason(f: &Finish, has_tool_calls: bool) -> &'static str {
     }
 }
 
+/// A prompt's ids; a text too long for the slot window whatever its tokens is refused
+/// without tokenizing it.
 pub(super) fn tokenize(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    super::limits::refuse_by_length(state, text)?;
     state
         .tok
         .encode(text, true, true)

@@ -1,6 +1,6 @@
 //! `/metrics`: llama-server's 15 `llamacpp:*` families in Prometheus text (plus the labelled
 //! per-position acceptance counter), and tern's own `tern:*` families (the boot ledger, the
-//! backend).
+//! backend, the memory budget and margin, the resident set, the drain).
 
 use std::fmt::Write;
 
@@ -184,5 +184,57 @@ pub fn render(state: &AppState, m: &Metrics) -> String {
     let _ = writeln!(s, "# HELP tern:slots_total Slots (--parallel)");
     let _ = writeln!(s, "# TYPE tern:slots_total gauge");
     let _ = writeln!(s, "tern:slots_total {}", state.cfg.total_slots);
+    let mut gauge = |name: &str, help: &str, v: u64| {
+        let _ = writeln!(s, "# HELP tern:{name} {help}");
+        let _ = writeln!(s, "# TYPE tern:{name} gauge");
+        let _ = writeln!(s, "tern:{name} {v}");
+    };
+    if let Some(b) = state.cfg.memory_budget {
+        gauge(
+            "memory_budget_bytes",
+            "The memory budget the shape was priced against (--device-mib, or the host's available memory)",
+            b,
+        );
+    }
+    gauge(
+        "memory_margin_bytes",
+        "The memory kept free beyond the priced total (--margin-mib)",
+        state.cfg.memory_margin,
+    );
+    if let Some(r) = resident_bytes() {
+        gauge(
+            "process_resident_bytes",
+            "Resident memory of the tern process",
+            r,
+        );
+    }
+    gauge(
+        "draining",
+        "1 while a stop signal drains the server (--drain-timeout)",
+        state.drain.is_on() as u64,
+    );
+    let name = "tern:requests_refused_draining_total";
+    let _ = writeln!(
+        s,
+        "# HELP {name} Requests answered 503 by the drain before they started"
+    );
+    let _ = writeln!(s, "# TYPE {name} counter");
+    let _ = writeln!(
+        s,
+        "{name} {}",
+        state
+            .drain
+            .refused
+            .load(std::sync::atomic::Ordering::Relaxed)
+    );
     s
+}
+
+/// The process's resident set, from /proc/self/statm (Linux).
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    // SAFETY: sysconf only reads a constant.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    Some(pages * u64::try_from(page).ok()?)
 }

@@ -5,21 +5,25 @@
 //! first), projector and adapters (refusing, naming the file, when one is missing) → compile
 //! the chat template → pick the backend → price the shape with the planner (the summary at
 //! info, the ledger at debug; a shape that does not fit is refused) → bind the port and answer
-//! `/health` with 503 while the weights load → ready. SIGTERM (or Ctrl-C) stops accepting, lets requests in flight finish for a moment,
-//! cancels the rest and exits 0 within a few seconds.
+//! `/health` with 503 while the weights load → ready. SIGTERM (or Ctrl-C) drains
+//! ([`drain`]): no new connections, 503 with `Retry-After` for requests not started, the
+//! running ones finish within `--drain-timeout` or are cut; then exit 0.
 
 pub mod access;
 pub mod chat;
 pub mod completion;
+pub mod drain;
 pub mod embeddings;
 pub mod error;
 pub mod generate;
+pub mod limits;
 pub mod listen;
 pub mod lora;
 pub mod metrics;
 pub mod request;
 pub mod routes;
 pub mod state;
+pub mod systemd;
 pub mod webui;
 
 use std::net::SocketAddr;
@@ -47,14 +51,20 @@ pub use access::Access;
 pub use error::ApiError;
 pub use state::{AppState, BudgetDefaults, Cors, ModelMeta, ServerConfig};
 
-/// Knobs that are not deployment settings (tests shrink them).
+/// The connection layer's bounds and the drain's limits ([`Options::from_settings`]; tests
+/// shrink them).
 #[derive(Clone, Debug)]
 pub struct Options {
-    /// The largest request body, in bytes.
+    /// The largest request body, in bytes (`--max-body-mb`).
     pub body_limit: usize,
-    /// How long shutdown lets requests in flight finish before cancelling them.
+    /// The request head must arrive within this; idle keep-alive connections close after it
+    /// (`--header-timeout`).
+    pub header_timeout: Duration,
+    /// Open connections at most (`--max-connections`; no more than the descriptor limit allows).
+    pub max_connections: usize,
+    /// How long shutdown lets requests in flight finish before cutting them (`--drain-timeout`).
     pub drain: Duration,
-    /// How long it then waits for the cancelled requests to close.
+    /// How long it then waits for the cut requests to close.
     pub cancel_wait: Duration,
 }
 
@@ -62,14 +72,34 @@ impl Default for Options {
     fn default() -> Self {
         Options {
             body_limit: 32 << 20,
-            drain: Duration::from_millis(2500),
+            header_timeout: Duration::from_secs(30),
+            max_connections: 8192,
+            drain: Duration::from_secs(30),
             cancel_wait: Duration::from_millis(1500),
         }
     }
 }
 
-/// A request body and the request's access-log record. A body that cannot be read (too
-/// large, cut off, or not in within `--timeout`) is a 400 in OpenAI's shape.
+impl Options {
+    pub fn from_settings(s: &Settings) -> Options {
+        let d = Options::default();
+        Options {
+            body_limit: s
+                .max_body_mb
+                .map_or(d.body_limit, |m| (m as usize).saturating_mul(1 << 20)),
+            header_timeout: s
+                .header_timeout
+                .map_or(d.header_timeout, Duration::from_secs),
+            max_connections: s.max_connections.map_or(d.max_connections, |n| n as usize),
+            drain: s.drain_timeout.map_or(d.drain, Duration::from_secs),
+            cancel_wait: d.cancel_wait,
+        }
+    }
+}
+
+/// A request body and the request's access-log record. A body over `--max-body-mb` is a 413
+/// (by its `Content-Length` before any of it is read, else as soon as it passes the limit); one
+/// that cannot be read (cut off, or not in within `--timeout`) is a 400, in OpenAI's shape.
 pub struct Body(pub Bytes, pub Access);
 
 impl FromRequest<Arc<AppState>> for Body {
@@ -81,13 +111,25 @@ impl FromRequest<Arc<AppState>> for Body {
             .get::<Access>()
             .cloned()
             .unwrap_or_default();
+        let limit = req
+            .extensions()
+            .get::<limits::BodyLimit>()
+            .map_or(Options::default().body_limit, |l| l.0);
+        let declared = req
+            .headers()
+            .get(axum::http::header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > limit as u64) {
+            return Err(limits::too_large(limit));
+        }
         let timeout = state.cfg.timeout;
         let read = Bytes::from_request(req, state);
         match tokio::time::timeout(timeout, read).await {
             Ok(Ok(b)) => Ok(Body(b, access)),
-            Ok(Err(e)) if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE => Err(
-                ApiError::bad_request("the request body is larger than this server accepts"),
-            ),
+            Ok(Err(e)) if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE => {
+                Err(limits::too_large(limit))
+            }
             Ok(Err(e)) => Err(ApiError::bad_request(format!(
                 "cannot read the request body: {}",
                 e.body_text()
@@ -216,6 +258,7 @@ pub struct Prepared {
     host: String,
     port: u16,
     threads_http: Option<usize>,
+    opts: Options,
 }
 
 impl Prepared {
@@ -448,6 +491,10 @@ fn server_config(
         spec: ecfg.spec.clone(),
         backend: backend.to_string(),
         build_info: crate::build_info(),
+        memory_budget: crate::plan::Budget::resolve(ledger.shape.backend, s.device_mib)
+            .ok()
+            .map(|b| b.bytes),
+        memory_margin: ledger.shape.margin_mib << 20,
         ledger: ledger
             .lines
             .iter()
@@ -511,6 +558,7 @@ pub fn prepare(settings: Settings) -> Result<Prepared> {
         host: s.host.clone().unwrap_or_else(|| "127.0.0.1".into()),
         port: s.port.unwrap_or(8080),
         threads_http: s.threads_http.filter(|&n| n > 0).map(|n| n as usize),
+        opts: Options::from_settings(&s),
     })
 }
 
@@ -525,18 +573,18 @@ fn runtime(threads: Option<usize>) -> Result<tokio::runtime::Runtime> {
 }
 
 /// The `tern serve` command: boots with the resolved settings, serves until SIGTERM or
-/// Ctrl-C, exits.
+/// Ctrl-C, drains, exits 0; a second signal exits at once.
 pub fn run(settings: Settings) -> Result<()> {
     let prepared = prepare(settings)?;
     let listener = std::net::TcpListener::bind((prepared.host.as_str(), prepared.port))
         .with_context(|| format!("cannot listen on {}:{}", prepared.host, prepared.port))?;
     let rt = runtime(prepared.threads_http)?;
-    let r = rt.block_on(serve(
-        listener,
-        prepared,
-        Options::default(),
-        shutdown_signal(),
-    ));
+    let opts = prepared.opts.clone();
+    let (first_tx, first_rx) = tokio::sync::oneshot::channel::<()>();
+    rt.spawn(signals(first_tx));
+    let r = rt.block_on(serve(listener, prepared, opts, async move {
+        let _ = first_rx.await;
+    }));
     rt.shutdown_timeout(Duration::from_millis(300));
     if r.is_ok() {
         tracing::info!(target: "tern::server", "stopped");
@@ -544,20 +592,34 @@ pub fn run(settings: Settings) -> Result<()> {
     r
 }
 
-/// SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
+/// The first SIGTERM or Ctrl-C starts the drain; a second one exits at once (status 1: the
+/// requests still running are cut without their final event).
+async fn signals(first: tokio::sync::oneshot::Sender<()>) {
+    use tokio::signal::unix::{signal, Signal, SignalKind};
+    async fn one(s: &mut Option<Signal>) {
+        match s {
+            Some(s) => {
                 s.recv().await;
             }
-            Err(_) => std::future::pending::<()>().await,
+            None => std::future::pending::<()>().await,
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
     }
+    async fn next(term: &mut Option<Signal>, int: &mut Option<Signal>) {
+        tokio::select! {
+            _ = one(term) => {}
+            _ = one(int) => {}
+        }
+    }
+    let mut term = signal(SignalKind::terminate()).ok();
+    let mut int = signal(SignalKind::interrupt()).ok();
+    next(&mut term, &mut int).await;
+    let _ = first.send(());
+    next(&mut term, &mut int).await;
+    tracing::warn!(
+        target: "tern::server",
+        "a second stop signal: exiting now, without finishing the drain"
+    );
+    std::process::exit(1);
 }
 
 /// Serves on `listener` until `stop` resolves: loads the model in the background (503 until
@@ -597,6 +659,7 @@ pub async fn serve(
                             state.started.elapsed().as_secs_f64()
                         ),
                     );
+                    systemd::ready(&state);
                 }
                 Err(e) => {
                     let _ = fail_tx.send(e);
@@ -607,10 +670,27 @@ pub async fn serve(
     let app = routes::router(state.clone(), opts.body_limit);
     let notify = Arc::new(tokio::sync::Notify::new());
     let n2 = notify.clone();
-    let server = listen::serve(listener, app, state.cfg.timeout, async move {
+    let bounds = listen::Bounds {
+        header: opts.header_timeout,
+        write: state.cfg.timeout,
+        connections: opts
+            .max_connections
+            .min(limits::connection_ceiling() as usize),
+    };
+    let server = listen::serve(listener, app, bounds, async move {
         n2.notified().await;
     });
     let mut server = tokio::spawn(server);
+    if systemd::enabled() {
+        let state = state.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(5));
+            loop {
+                every.tick().await;
+                systemd::status(&state);
+            }
+        });
+    }
     let outcome = tokio::select! {
         r = &mut server => {
             return match r {
@@ -621,26 +701,53 @@ pub async fn serve(
         _ = stop => Ok(()),
         Ok(e) = &mut fail_rx => Err(e.context("cannot load the model")),
     };
+    let t0 = std::time::Instant::now();
     state.log(
         3,
         format!(
-            "shutting down: no new connections; requests in flight have {:.1} s to finish",
+            "draining: no new connections, requests waiting for a slot get 503, running ones have {:.0} s to finish (--drain-timeout)",
             opts.drain.as_secs_f64()
         ),
     );
+    state.drain.begin();
+    systemd::stopping(&state);
     notify.notify_one();
+    let mut cut = 0;
     if tokio::time::timeout(opts.drain, &mut server).await.is_err() {
-        state.log(3, "cancelling the requests still in flight");
+        cut = busy_slots(&state);
+        state.log(
+            2,
+            format!("drain limit reached: cutting {cut} running request(s)"),
+        );
         state.cancel_all.store(true, Ordering::Relaxed);
         if tokio::time::timeout(opts.cancel_wait, &mut server)
             .await
             .is_err()
         {
-            state.log(2, "connections still open after cancelling; closing anyway");
+            state.log(2, "connections still open after cutting; closing anyway");
             server.abort();
         }
     }
+    state.log(
+        3,
+        format!(
+            "drained in {:.2} s: {} request(s) refused with 503 (not started), {cut} cut",
+            t0.elapsed().as_secs_f64(),
+            state.drain.refused.load(Ordering::Relaxed),
+        ),
+    );
     outcome
+}
+
+/// Slots running a request now.
+pub fn busy_slots(state: &AppState) -> usize {
+    state
+        .slots
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|s| s.processing)
+        .count()
 }
 
 /// A server running on its own thread (for tests and embedding).

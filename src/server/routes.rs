@@ -54,7 +54,8 @@ pub fn router(state: Arc<AppState>, body_limit: usize) -> Router {
         .route("/embeddings", post(embeddings::embedding_native))
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), gate))
-        .layer(DefaultBodyLimit::max(body_limit));
+        .layer(DefaultBodyLimit::max(body_limit))
+        .layer(axum::Extension(super::limits::BodyLimit(body_limit)));
     let prefix = state.cfg.api_prefix.clone();
     let routes = if prefix.is_empty() {
         routes
@@ -163,11 +164,15 @@ fn is_public(path: &str) -> bool {
 }
 
 /// llama-server's order: not ready → 503 on every route but the UI's; then the API key (not on
-/// the public routes).
+/// the public routes). While draining, every route but the monitoring ones is a 503 that may
+/// be retried elsewhere (`/health` too, so that a load balancer stops sending work here).
 async fn gate(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let path = req.uri().path();
     if state.ready().is_none() && !webui::is_ui_path(path) {
         return ApiError::unavailable("Loading model").into_response();
+    }
+    if state.drain.is_on() && !matches!(path, "/metrics" | "/slots" | "/props") {
+        return state.drain.refusal().into_response();
     }
     if !state.cfg.api_keys.is_empty()
         && !is_public(path)
@@ -366,8 +371,9 @@ fn body_of(bytes: &Bytes) -> Result<serde_json::Map<String, Value>, ApiError> {
 }
 
 async fn tokenize(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
-    let r = (|| -> Result<Value, ApiError> {
-        let b = body_of(&body.0)?;
+    let bytes = body.0;
+    let r = super::limits::off_runtime(&state, move |state| -> Result<Value, ApiError> {
+        let b = body_of(&bytes)?;
         let content = match field(&b, "content") {
             None => return Ok(json!({ "tokens": [] })),
             Some(Value::String(s)) => s.clone(),
@@ -400,7 +406,8 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: RawBody) -> Response
             })
             .collect();
         Ok(json!({ "tokens": pieces }))
-    })();
+    })
+    .await;
     match r {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
@@ -408,8 +415,9 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: RawBody) -> Response
 }
 
 async fn detokenize(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
-    let r = (|| -> Result<Value, ApiError> {
-        let b = body_of(&body.0)?;
+    let bytes = body.0;
+    let r = super::limits::off_runtime(&state, move |state| -> Result<Value, ApiError> {
+        let b = body_of(&bytes)?;
         let ids: Vec<u32> = match field(&b, "tokens") {
             None => Vec::new(),
             Some(Value::Array(a)) => a
@@ -439,7 +447,8 @@ async fn detokenize(State(state): State<Arc<AppState>>, body: RawBody) -> Respon
             .decode(&ids, false)
             .map_err(|e| ApiError::bad_request(format!("{e}")))?;
         Ok(json!({ "content": content }))
-    })();
+    })
+    .await;
     match r {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
@@ -447,7 +456,11 @@ async fn detokenize(State(state): State<Arc<AppState>>, body: RawBody) -> Respon
 }
 
 async fn apply_template(State(state): State<Arc<AppState>>, body: RawBody) -> Response {
-    let r = body_of(&body.0).and_then(|b| render_chat(&state, &b));
+    let bytes = body.0;
+    let r = super::limits::off_runtime(&state, move |state| {
+        body_of(&bytes).and_then(|b| render_chat(state, &b))
+    })
+    .await;
     match r {
         Ok(c) => Json(json!({ "prompt": c.prompt })).into_response(),
         Err(e) => e.into_response(),

@@ -114,6 +114,10 @@ pub struct ServerConfig {
     pub spec: Option<SpecConfig>,
     pub backend: String,
     pub build_info: String,
+    /// The memory budget the shape was priced against (`--device-mib`, or the host's
+    /// available memory for the CPU), when known, and the margin kept free (`--margin-mib`).
+    pub memory_budget: Option<u64>,
+    pub memory_margin: u64,
     /// The boot ledger, as (term, bytes), for `tern:` metrics.
     pub ledger: Vec<(String, u64)>,
     pub meta: ModelMeta,
@@ -155,11 +159,18 @@ pub struct AppState {
     incomplete: OnceLock<Arc<Vec<bool>>>,
     /// LoRA adapters and their global scales (`/lora-adapters`).
     pub lora: super::lora::LoraState,
+    /// The request work before the engine, bounded ([`super::limits`]).
+    pub work: super::limits::Work,
+    pub drain: super::drain::Drain,
 }
 
 impl AppState {
     pub fn new(cfg: ServerConfig, tok: Arc<Tokenizer>, template: ChatTemplate) -> AppState {
         let n = cfg.total_slots;
+        let work = super::limits::Work::new(
+            std::thread::available_parallelism().map_or(2, |n| n.get()),
+            super::limits::longest_token(&tok),
+        );
         AppState {
             cfg,
             tok,
@@ -172,6 +183,8 @@ impl AppState {
             started: Instant::now(),
             incomplete: OnceLock::new(),
             lora: Default::default(),
+            work,
+            drain: Default::default(),
         }
     }
 
