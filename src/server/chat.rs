@@ -591,6 +591,8 @@ fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat, ApiError
             return Err(ApiError::bad_request("'model' must be a string"));
         }
     }
+    // A last message too long for the window is refused before the template copies it.
+    super::limits::refuse_by_bytes(state, super::limits::last_message_bytes(&body))?;
     let rendered = render_chat(state, &body)?;
     let mut gen = gen_params(
         &body,

@@ -167,10 +167,7 @@ pub struct AppState {
 impl AppState {
     pub fn new(cfg: ServerConfig, tok: Arc<Tokenizer>, template: ChatTemplate) -> AppState {
         let n = cfg.total_slots;
-        let work = super::limits::Work::new(
-            std::thread::available_parallelism().map_or(2, |n| n.get()),
-            super::limits::longest_token(&tok),
-        );
+        let work = super::limits::Work::new(super::limits::longest_token(&tok));
         AppState {
             cfg,
             tok,
