@@ -289,7 +289,11 @@ struct Nginx(Child);
 
 impl Drop for Nginx {
     fn drop(&mut self) {
-        let _ = self.0.kill();
+        // SIGTERM: the master stops its workers too (SIGKILL would leave them running).
+        // SAFETY: a plain kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(self.0.id() as i32, libc::SIGTERM);
+        }
         let _ = self.0.wait();
     }
 }
