@@ -45,9 +45,12 @@ pub fn long_settings() -> Settings {
     }
 }
 
+/// 256 KiB bodies; a 2.5 s drain so that a test stopping with work in flight ends soon (the
+/// drain's own tests set theirs).
 pub fn options() -> Options {
     Options {
         body_limit: 256 << 10,
+        drain: Duration::from_millis(2500),
         ..Default::default()
     }
 }
