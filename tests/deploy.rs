@@ -306,7 +306,7 @@ fn replicas_behind_nginx_answer_everything_while_one_drains() {
     let dir = scratch("nginx");
     let drain_s = 20;
     let mut a = replica(&dir, "a", drain_s);
-    let b = replica(&dir, "b", drain_s);
+    let mut b = replica(&dir, "b", drain_s);
     assert!(ready(a.addr) && ready(b.addr), "both replicas are up");
     let front = free_port();
     let conf = read("nginx/tern.conf")
@@ -426,7 +426,7 @@ fn replicas_behind_nginx_answer_everything_while_one_drains() {
     lat.sort();
     let pick = |q: f64| lat[((lat.len() as f64 * q) as usize).min(lat.len() - 1)];
     let (a_ok, a_refused) = chats_logged(&a.log);
-    let mut b = b;
+    // SAFETY: as above.
     unsafe {
         libc::kill(b.child.id() as i32, libc::SIGTERM);
     }

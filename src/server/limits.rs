@@ -35,7 +35,7 @@ pub fn connection_ceiling() -> u64 {
                 r.rlim_cur = r.rlim_max;
             }
         }
-        (r.rlim_cur as u64).saturating_sub(FD_RESERVE).max(1)
+        r.rlim_cur.saturating_sub(FD_RESERVE).max(1)
     }
 }
 
