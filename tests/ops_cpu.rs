@@ -632,3 +632,212 @@ fn argmax() {
         );
     }
 }
+
+/// The vision tower's row ops: LayerNorm against ggml_norm's definition, the row bias exactly,
+/// and a reshape that moves nothing.
+#[test]
+fn vision_row_ops() {
+    use common::vision::layer_norm_ref;
+    let be = cpu();
+    let mut rng = Rng(1061);
+    for (rows, cols) in [(1, 1), (3, 7), (5, 300), (2, 1152), (70, 64)] {
+        // Off-centre rows, so that the mean matters.
+        let x: Vec<f32> = rng.vec(rows * cols, 2.0).iter().map(|v| v + 3.0).collect();
+        let (w, b) = (rng.vec(cols, 1.0), rng.vec(cols, 1.0));
+        let ws = be
+            .upload(&weight("v.blk.0.ln1.weight", GgmlType::F32, cols, 1, &w))
+            .unwrap();
+        let bs = be
+            .upload(&weight("v.blk.0.ln1.bias", GgmlType::F32, cols, 1, &b))
+            .unwrap();
+        let ours = be.to_host(&be.layer_norm(&be.from_host(&x, rows, cols), &ws, &bs, 1e-6));
+        let want: Vec<f64> = x
+            .chunks(cols)
+            .flat_map(|r| layer_norm_ref(&f64s(r), &f64s(&w), &f64s(&b), 1e-6))
+            .collect();
+        // A one-element row is all mean: 0 * scale * w + b = b exactly.
+        assert_close(
+            &format!("layer_norm {rows}x{cols}"),
+            &ours,
+            &f32s(&want),
+            TOL,
+        );
+
+        let mut t = be.from_host(&x, rows, cols);
+        be.add_bias(&mut t, &bs);
+        let want: Vec<f32> = x.iter().enumerate().map(|(i, v)| v + b[i % cols]).collect();
+        assert_eq!(be.to_host(&t), want, "add_bias {rows}x{cols}");
+
+        if rows % 2 == 0 {
+            let t = be.reshape(be.from_host(&x, rows, cols), rows / 2, 2 * cols);
+            assert_eq!(be.to_host(&t), x, "reshape {rows}x{cols}");
+            // The new width is the one ops see.
+            let b2 = rng.vec(2 * cols, 1.0);
+            let mut t = t;
+            be.add_bias(
+                &mut t,
+                &be.upload(&weight("b2", GgmlType::F32, 2 * cols, 1, &b2))
+                    .unwrap(),
+            );
+            let want: Vec<f32> = x
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v + b2[i % (2 * cols)])
+                .collect();
+            assert_eq!(be.to_host(&t), want, "add_bias after reshape {rows}x{cols}");
+        }
+    }
+}
+
+/// sha256 of ggml-cpu's `ggml_table_gelu_f16` (65536 little-endian u16), as stock llama.cpp
+/// (the vendored build in /work/llama/build) fills it in `ggml_cpu_init`: read back through
+/// ctypes (`ggml_cpu_init()`, then `(c_uint16 * 65536).in_dll(libggml-cpu, "ggml_table_gelu_f16")`).
+const GGML_GELU_TABLE_SHA256: &str =
+    "5eceda6f287dec9dc0bcfa24516d6744a031a5c52d1984688b4558aeb1daf909";
+
+/// GELU: the f16 table is ggml's to the bit, every entry is the tanh form at its input within
+/// one f16 rounding, and the op takes ggml's branches (0 at or below -10, x at or above 10,
+/// the table between, at the input rounded to f16).
+#[test]
+fn gelu() {
+    use common::vision::{gelu_ggml_ref, gelu_tanh};
+    use sha2::{Digest, Sha256};
+    let table = tern::backend::gelu_f16_table();
+    let bytes: Vec<u8> = table.iter().flat_map(|h| h.to_le_bytes()).collect();
+    let hash: String = Sha256::digest(&bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(
+        hash, GGML_GELU_TABLE_SHA256,
+        "gelu table differs from ggml's"
+    );
+    for (h, &g) in table.iter().enumerate() {
+        let x = half::f16::from_bits(h as u16).to_f64();
+        if !x.is_finite() || x.abs() >= 10.0 {
+            continue;
+        }
+        let (ours, exact) = (half::f16::from_bits(g).to_f64(), gelu_tanh(x));
+        // Half an f16 ulp of rounding, plus the f32 evaluation: within one ulp (2^-10
+        // relative for normals, 2^-24 absolute below).
+        let ulp = (exact.abs() * 2f64.powi(-10)).max(2f64.powi(-24));
+        assert!(
+            (ours - exact).abs() <= ulp,
+            "gelu table at {x}: {ours} vs {exact}"
+        );
+    }
+
+    let be = cpu();
+    let mut rng = Rng(1071);
+    let mut x = rng.vec(4099, 12.0);
+    x.extend([
+        -10.0, 10.0, -9.999, 9.999, 0.0, -0.0, 1e-30, -1e-8, 1e6, -1e6,
+    ]);
+    let ours = be.to_host(&be.gelu(&be.from_host(&x, 1, x.len())));
+    for (&v, &o) in x.iter().zip(&ours) {
+        assert_eq!(o as f64, gelu_ggml_ref(v as f64), "gelu({v})");
+    }
+}
+
+/// sha256 of the (sin, cos) table ggml's `GGML_ROPE_TYPE_VISION` rope uses, read off its output
+/// on unit vectors (x = [1..1, 0..0] gives [cos, sin] exactly), as f32 LE in
+/// `vision_rope_table`'s layout: ggml-base/ggml-cpu of /work/llama/build through ctypes,
+/// `ggml_rope_multi(ctx, a, pos, NULL, hd/2, {hd/4 x4}, 24, 32768, 10000, 1, 0, 1, 32, 1)` with
+/// clip.cpp's positions, one thread.
+const GGML_VISION_ROPE_SHA256: [(usize, usize, usize, &str); 4] = [
+    (
+        4,
+        6,
+        16,
+        "ab9e1665cef76f954591672e7ce00570c0acbcd7bbad056d60c765e5a26845d2",
+    ),
+    (
+        32,
+        32,
+        72,
+        "6ae0afa014b5c138e01f781c15820e60fa564efbeb75f485b66c42be704d12b1",
+    ),
+    (
+        64,
+        16,
+        72,
+        "44a4eb76f6edfda2a25a7fb07fbf20fe393eac979198c214f9ee8b0274bfd2bc",
+    ),
+    (
+        2,
+        2,
+        20,
+        "98d8ff03d1514686e97b09199405c5ccc0c51de1d8ed68d60e4133af4664f61a",
+    ),
+];
+
+/// The vision rotary table: ggml's bits, and the angles of model-vision.md §3 in the tower's
+/// token order.
+#[test]
+fn vision_rope_table() {
+    use common::vision::rope_angles;
+    use sha2::{Digest, Sha256};
+    for (rows, cols, hd, want) in GGML_VISION_ROPE_SHA256 {
+        let t = tern::backend::vision_rope_table(rows, cols, hd, 10000.0);
+        let bytes: Vec<u8> = t.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let hash: String = Sha256::digest(&bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(
+            hash, want,
+            "vision rope {rows}x{cols} hd {hd} differs from ggml's"
+        );
+        let angles = rope_angles(rows, cols, hd);
+        assert_eq!(t.len(), 2 * angles.len());
+        for (i, (&a, sc)) in angles.iter().zip(t.chunks_exact(2)).enumerate() {
+            // ggml multiplies the angle up in f32 by a rounded factor: under 2^-23 per step.
+            let j = i % (hd / 2);
+            let err = 2.0 * (j as f64 + 2.0) * 2f64.powi(-24) * a + 1e-6;
+            assert!(
+                (sc[0] as f64 - a.sin()).abs() <= err && (sc[1] as f64 - a.cos()).abs() <= err,
+                "vision rope {rows}x{cols} hd {hd} entry {i}: ({}, {}) for angle {a}",
+                sc[0],
+                sc[1]
+            );
+        }
+    }
+}
+
+/// The vision tower's attention against the f64 reference: full (non-causal), every head, NEOX
+/// pairs, on odd token counts, one token, head sizes that are not multiples of 4.
+#[test]
+fn vision_attention() {
+    use common::vision::vision_attention_ref;
+    let be = cpu();
+    let mut rng = Rng(1081);
+    for (n, n_head, hd) in [
+        (1, 1, 16),
+        (7, 2, 18),
+        (37, 3, 72),
+        (300, 2, 22),
+        (24, 2, 16),
+    ] {
+        let qkv = rng.vec(n * 3 * n_head * hd, 1.5);
+        // Any (sin, cos) table: random angles (vision_rope_table has its own test).
+        let rope: Vec<f32> = (0..n * hd / 2)
+            .flat_map(|_| {
+                let a = rng.f32() * 40.0;
+                [a.sin(), a.cos()]
+            })
+            .collect();
+        let ours = be.to_host(&be.vision_attention(
+            &be.from_host(&qkv, n, 3 * n_head * hd),
+            n_head,
+            hd,
+            &rope,
+        ));
+        let want = vision_attention_ref(&f64s(&qkv), n, n_head, hd, &f64s(&rope));
+        assert_close(
+            &format!("vision_attention n {n} heads {n_head} hd {hd}"),
+            &ours,
+            &f32s(&want),
+            TOL,
+        );
+    }
+}

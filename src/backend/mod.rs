@@ -329,6 +329,34 @@ pub trait Backend: Send + Sync {
 
     fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
 
+    /// LayerNorm with weight and bias over each row (the vision tower's ln1/ln2/post_ln), as
+    /// `ggml_norm` then `ggml_mul`, `ggml_add`: mean and variance of the row, then
+    /// `((x - mean) * scale) * w + b` with `scale = 1 / sqrt(var + eps)`, each step rounded to
+    /// f32. `w` and `b` are 1-D weights of the row's width.
+    fn layer_norm(&self, x: &Self::T, w: &Self::W, b: &Self::W, eps: f32) -> Self::T;
+    /// `x[r][c] += b[c]` (the bias of every tower matmul; `b` is a 1-D weight of x's width).
+    fn add_bias(&self, x: &mut Self::T, b: &Self::W);
+    /// GELU as ggml's CPU backend evaluates it on f32 (`ggml_vec_gelu_f32` with
+    /// `GGML_GELU_FP16`): 0 at or below -10, `x` at or above 10, otherwise the tanh form looked
+    /// up at `x` rounded to f16 and itself rounded to f16 ([`gelu_f16_table`]).
+    fn gelu(&self, x: &Self::T) -> Self::T;
+    /// The same data read as `[rows, cols]` (row-major, `rows * cols` unchanged): the 2x2
+    /// merge of four consecutive patch rows into one row of 4x the width. No data moves.
+    fn reshape(&self, t: Self::T, rows: usize, cols: usize) -> Self::T;
+    /// Full (non-causal) multi-head attention of the vision tower over one image. `qkv` is
+    /// `[n, 3 * n_head * head_dim]` (q | k | v, bias already added); q and k get NEOX rotary
+    /// (pairs `(j, j + head_dim/2)`) from `rope`, `n * head_dim/2` `(sin, cos)` pairs as
+    /// [`vision_rope_table`] makes them; then softmax(q·k / sqrt(head_dim)) v per head.
+    /// Returns `[n, n_head * head_dim]`. GPU backends run it flash-style (online softmax over
+    /// key tiles), so no `n x n` score matrix is ever stored.
+    fn vision_attention(
+        &self,
+        qkv: &Self::T,
+        n_head: usize,
+        head_dim: usize,
+        rope: &[f32],
+    ) -> Self::T;
+
     /// Bytes the backend holds for activations and scratch now, when it pools them (a GPU's
     /// buffer pool); `None` when they live on the heap (the CPU), where the boot ledger
     /// measures the heap instead.
@@ -369,6 +397,100 @@ pub fn rope_table(
         }
     }
     out
+}
+
+/// `(sin θ, cos θ)` for every (patch, rotated pair `j < head_dim/2`) of the vision tower's
+/// 2-D rotary (model-vision.md §3), as ggml's `GGML_ROPE_TYPE_VISION` rope computes them
+/// (`ggml_mrope_cache_init` with independent sections, `clip.cpp`'s positions). Patches come
+/// in the tower's token order: 2x2 merge blocks in row-major order, inside a block (0,0)
+/// (0,1) (1,0) (1,1). Each patch has positions `[row, col, row, col]`; with
+/// `s = θ^(-4/head_dim)` (`powf(θ, -2/n_dims)`, `n_dims = head_dim/2`), pair j rotates by
+/// `row · s^j` for `j < head_dim/4` and by `col · s^(j - head_dim/4)` above, each power
+/// multiplied up in f32 one step at a time from the section's start, as ggml does.
+///
+/// `grid_rows` and `grid_cols` are the patch grid (even: whole merge blocks); `head_dim` is a
+/// multiple of 4 (ggml's vision rope asserts an even `n_dims`).
+pub fn vision_rope_table(
+    grid_rows: usize,
+    grid_cols: usize,
+    head_dim: usize,
+    theta: f32,
+) -> Vec<f32> {
+    assert!(
+        grid_rows.is_multiple_of(2) && grid_cols.is_multiple_of(2),
+        "vision rope: a {grid_rows}x{grid_cols} patch grid is not whole 2x2 merge blocks"
+    );
+    assert!(
+        head_dim > 0 && head_dim.is_multiple_of(4),
+        "vision rope: head_dim {head_dim} is not a multiple of 4"
+    );
+    let (half, sect) = (head_dim / 2, head_dim / 4);
+    let theta_scale = theta.powf(-2.0 / half as f32);
+    let mut out = Vec::with_capacity(grid_rows * grid_cols * head_dim);
+    for y in (0..grid_rows).step_by(2) {
+        for x in (0..grid_cols).step_by(2) {
+            for (dy, dx) in [(0, 0), (0, 1), (1, 0), (1, 1)] {
+                let (row, col) = ((y + dy) as f32, (x + dx) as f32);
+                // ggml keeps one running angle per section, all multiplied every step, and
+                // resets a section's angle to its position where the section starts.
+                let (mut t_row, mut t_col) = (row, col);
+                for j in 0..half {
+                    if j == 0 {
+                        t_row = row;
+                    } else if j == sect {
+                        t_col = col;
+                    }
+                    let a = if j < sect { t_row } else { t_col };
+                    out.push(a.sin());
+                    out.push(a.cos());
+                    t_row *= theta_scale;
+                    t_col *= theta_scale;
+                }
+            }
+        }
+    }
+    out
+}
+
+/// ggml's tanh-form GELU of one f32 (`ggml_gelu_f32`), in its order of operations and with
+/// the one fused multiply-add an x86-64 build with FMA makes of it (`1 + (A·x)·x`): without it
+/// the table differs from that build's in one entry (x = -1.999).
+fn gelu_tanh(x: f32) -> f32 {
+    const GELU_COEF_A: f32 = 0.044715;
+    #[allow(clippy::excessive_precision)]
+    const SQRT_2_OVER_PI: f32 = 0.797_884_560_802_865_355_879_892_119_868_76;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (GELU_COEF_A * x).mul_add(x, 1.0)).tanh())
+}
+
+/// ggml-cpu's `ggml_table_gelu_f16`: for every f16 bit pattern h, the f16 bits of
+/// `gelu_tanh(h)`. GELU on f32 reads it at the input rounded to f16 (round to nearest even,
+/// as F16C's `_cvtss_sh`), so every backend that uses this table returns ggml's bits.
+pub fn gelu_f16_table() -> &'static [u16] {
+    static TABLE: std::sync::OnceLock<Vec<u16>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        (0..=u16::MAX)
+            .map(|h| {
+                let x = half::f16::from_bits(h);
+                if x.is_nan() {
+                    // ggml's entries for NaN inputs are the quiet NaN of the input's sign.
+                    (h & 0x8000) | 0x7e00
+                } else {
+                    half::f16::from_f32(gelu_tanh(x.to_f32())).to_bits()
+                }
+            })
+            .collect()
+    })
+}
+
+/// GELU of one f32 as ggml's CPU backend computes it (see [`Backend::gelu`]).
+pub fn gelu_ggml(x: f32) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        half::f16::from_bits(gelu_f16_table()[half::f16::from_f32(x).to_bits() as usize]).to_f32()
+    }
 }
 
 /// NMSE = Σ(a−b)² / Σb², the comparison measure of goldens.md.

@@ -2,6 +2,8 @@
 //! NMSE comparison, and the list of backends present on this machine.
 #![allow(dead_code)]
 
+pub mod vision;
+
 use std::sync::{Arc, OnceLock};
 
 use tern::backend::cpu::CpuBackend;

@@ -190,6 +190,78 @@ pub(super) fn attend(
     out
 }
 
+/// Full (non-causal) attention of every query over every key, per head: the vision tower's.
+/// `q` and `k` are `[n][n_head * hd]` (rotated); `v` holds the value rows `ldv` apart, head h
+/// at `h * hd`. One task per (head, block of `TB` queries): `Sᵀ = K Qᵀ`, softmax of
+/// `Sᵀ / sqrt(hd)` down each column (ggml's `soft_max_ext` of `kq`), then `O = P V`.
+pub(super) fn attend_full(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    ldv: usize,
+    n: usize,
+    n_head: usize,
+    hd: usize,
+) -> Tensor {
+    let width = n_head * hd;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let tasks: Vec<(usize, usize)> = (0..n_head)
+        .flat_map(|h| (0..n.div_ceil(TB)).map(move |b| (h, b)))
+        .collect();
+    let outs: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(h, b)| {
+            let (t0, t1) = (b * TB, ((b + 1) * TB).min(n));
+            let m_rows = t1 - t0;
+            SCRATCH.with_borrow_mut(|sc| {
+                let Scratch {
+                    st, o, max, sum, ..
+                } = sc;
+                st.resize(n * m_rows, 0.0);
+                for j0 in (0..n).step_by(JC) {
+                    let c = JC.min(n - j0);
+                    gemm::dots(
+                        &k[j0 * width + h * hd..],
+                        width,
+                        c,
+                        &q[t0 * width + h * hd..],
+                        width,
+                        m_rows,
+                        hd,
+                        &mut st[j0 * m_rows..],
+                        m_rows,
+                    );
+                }
+                softmax_columns(st, m_rows, |_| n, scale, max, sum);
+                o.resize(m_rows * hd, 0.0);
+                for j0 in (0..n).step_by(JC) {
+                    let c = JC.min(n - j0);
+                    gemm::outer(
+                        &st[j0 * m_rows..],
+                        m_rows,
+                        m_rows,
+                        &v[j0 * ldv + h * hd..],
+                        ldv,
+                        hd,
+                        c,
+                        o,
+                        hd,
+                        j0 > 0,
+                    );
+                }
+                o.clone()
+            })
+        })
+        .collect();
+    let mut out = Tensor::zeros(n, width);
+    for (&(h, b), o) in tasks.iter().zip(&outs) {
+        for (m, om) in o.chunks_exact(hd).enumerate() {
+            out.data[(b * TB + m) * width + h * hd..][..hd].copy_from_slice(om);
+        }
+    }
+    out
+}
+
 /// Softmax of `scale ·` each column of `st` (`[n_ctx][m_rows]`) over its first `ctx(m)` rows;
 /// the rows past them get 0. Rows are contiguous across the columns, so each pass runs down the
 /// rows with every column at once.

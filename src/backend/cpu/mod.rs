@@ -748,6 +748,99 @@ impl Backend for CpuBackend {
             })
             .collect()
     }
+
+    fn layer_norm(&self, x: &Tensor, w: &Weight, b: &Weight, eps: f32) -> Tensor {
+        let (w, b) = (w.dense(), b.dense());
+        assert_eq!(w.len(), x.cols, "layer_norm: weight width");
+        assert_eq!(b.len(), x.cols, "layer_norm: bias width");
+        let mut out = x.clone();
+        let n = x.cols as f32;
+        out.data.par_chunks_mut(x.cols.max(1)).for_each(|row| {
+            // ggml_norm: the sum in f64 rounded to f32, then the mean in f32; the squares of
+            // the centred values summed in f64 and divided there.
+            let mean = row.iter().map(|&v| v as f64).sum::<f64>() as f32 / n;
+            let mut var = 0f64;
+            for v in row.iter_mut() {
+                *v -= mean;
+                var += (*v * *v) as f64;
+            }
+            let scale = 1.0 / ((var / row.len() as f64) as f32 + eps).sqrt();
+            row.iter_mut()
+                .zip(w)
+                .zip(b)
+                .for_each(|((v, &g), &c)| *v = *v * scale * g + c);
+        });
+        out
+    }
+
+    fn add_bias(&self, x: &mut Tensor, b: &Weight) {
+        let b = b.dense();
+        assert_eq!(b.len(), x.cols, "add_bias: width");
+        x.data
+            .par_chunks_mut(x.cols.max(1))
+            .for_each(|row| row.iter_mut().zip(b).for_each(|(v, &c)| *v += c));
+    }
+
+    fn gelu(&self, x: &Tensor) -> Tensor {
+        let mut out = x.clone();
+        out.data
+            .par_chunks_mut(ELEM_CHUNK)
+            .for_each(|c| c.iter_mut().for_each(|v| *v = super::gelu_ggml(*v)));
+        out
+    }
+
+    fn reshape(&self, t: Tensor, rows: usize, cols: usize) -> Tensor {
+        assert_eq!(
+            rows * cols,
+            t.data.len(),
+            "reshape of [{}, {}] to [{rows}, {cols}]",
+            t.rows,
+            t.cols
+        );
+        Tensor {
+            data: t.data,
+            rows,
+            cols,
+        }
+    }
+
+    fn vision_attention(&self, qkv: &Tensor, n_head: usize, hd: usize, rope: &[f32]) -> Tensor {
+        let (n, width) = (qkv.rows, n_head * hd);
+        assert_eq!(
+            qkv.cols,
+            3 * width,
+            "vision_attention: qkv has {} columns, not 3 x {n_head} heads x {hd}",
+            qkv.cols
+        );
+        assert!(
+            hd > 0 && hd.is_multiple_of(2),
+            "vision_attention: head_dim {hd} is not even (NEOX pairs)"
+        );
+        assert_eq!(
+            rope.len(),
+            n * hd,
+            "vision_attention: the rope table has {} values, not (sin, cos) for {n} x {} pairs",
+            rope.len(),
+            hd / 2
+        );
+        // q and k rotated, `[n][n_head * hd]` each.
+        let mut q = vec![0f32; n * width];
+        let mut k = vec![0f32; n * width];
+        q.par_chunks_mut(width.max(1))
+            .zip(k.par_chunks_mut(width.max(1)))
+            .enumerate()
+            .for_each(|(t, (qt, kt))| {
+                let row = qkv.row(t);
+                let table = &rope[t * hd..(t + 1) * hd];
+                qt.copy_from_slice(&row[..width]);
+                kt.copy_from_slice(&row[width..2 * width]);
+                for (qh, kh) in qt.chunks_exact_mut(hd).zip(kt.chunks_exact_mut(hd)) {
+                    rope_apply(qh, table);
+                    rope_apply(kh, table);
+                }
+            });
+        attention::attend_full(&q, &k, &qkv.data[2 * width..], 3 * width, n, n_head, hd)
+    }
 }
 
 #[cfg(test)]

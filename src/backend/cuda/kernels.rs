@@ -35,6 +35,7 @@ macro_rules! kernel_files {
 
 kernel_files!(
     "add",
+    "add_bias",
     "add_scaled",
     "argmax",
     "attn_combine",
@@ -49,12 +50,16 @@ kernel_files!(
     "gdn_conv",
     "gdn_gated_norm",
     "gdn_step",
+    "gelu",
     "kv_store",
+    "layer_norm",
     "matmul_tiled",
     "matmul_vec",
     "rms_norm",
     "swiglu",
     "topk",
+    "vision_attn",
+    "vision_rope",
 );
 
 /// The text of `cuda/<stem>.cu`.

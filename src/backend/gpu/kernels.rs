@@ -26,6 +26,10 @@ pub mod consts {
     pub const MAX_CHUNKS: u32 = 256;
     /// Positions a new cache holds before it first grows (the engine reserves the window).
     pub const INITIAL_CAPACITY: usize = 256;
+    /// Keys scored per tile in `vision_attn`, its workgroup size.
+    pub const VISION_TILE: u32 = 64;
+    /// Most queries one `vision_attn` workgroup holds (its `R`, with `R * head_dim <= MAX_Q`).
+    pub const VISION_MAX_R: usize = 16;
     /// Largest k of `topk_rows`.
     pub const TOPK_MAX: u32 = 64;
     /// Items one top-k thread scans per pass (host only).
@@ -99,6 +103,8 @@ pub const CACHE_CODES: u32 = 5;
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kernel {
     Add,
+    /// `x[r][c] += b[c]`: a bias on every row.
+    AddBias,
     /// `y += s[row] * x`: a LoRA term with a scale per row.
     AddScaled,
     Argmax,
@@ -125,6 +131,8 @@ pub enum Kernel {
     GdnStep {
         d: u32,
     },
+    /// ggml's GELU through its f16 table.
+    Gelu,
     KvStore {
         kind: u32,
     },
@@ -136,9 +144,16 @@ pub enum Kernel {
     },
     /// The f16 matvec with native f16 loads, on a device that has them (wgpu SHADER_F16).
     MatmulVecF16,
+    LayerNorm,
     RmsNorm,
     Swiglu,
     Topk,
+    /// The vision tower's attention over all keys, `R` queries per workgroup.
+    VisionAttn {
+        r: u32,
+    },
+    /// The vision tower's rotary of q and k, into head-major copies.
+    VisionRope,
 }
 
 /// What a device needs to build a kernel: its source file's stem, its workgroup size, and
@@ -154,6 +169,7 @@ impl Kernel {
     pub fn spec(&self) -> Spec {
         let (file, wg, mut defines): (&'static str, u32, Vec<(&'static str, u32)>) = match *self {
             Kernel::Add => ("add", 256, vec![]),
+            Kernel::AddBias => ("add_bias", 256, vec![]),
             Kernel::AddScaled => ("add_scaled", 256, vec![]),
             Kernel::Argmax => ("argmax", 256, vec![]),
             Kernel::AttnCombine => ("attn_combine", 64, vec![("MAX_CHUNKS", MAX_CHUNKS)]),
@@ -181,7 +197,9 @@ impl Kernel {
                 GDN_COL_BLOCK * GDN_STEP_ROWS,
                 vec![("D", d), ("CB", GDN_COL_BLOCK), ("R", GDN_STEP_ROWS)],
             ),
+            Kernel::Gelu => ("gelu", 256, vec![]),
             Kernel::KvStore { kind } => ("kv_store", 64, vec![("KIND", kind)]),
+            Kernel::LayerNorm => ("layer_norm", 256, vec![]),
             Kernel::MatmulTiled { ty } => (
                 "matmul_tiled",
                 256,
@@ -201,6 +219,10 @@ impl Kernel {
             Kernel::RmsNorm => ("rms_norm", 256, vec![]),
             Kernel::Swiglu => ("swiglu", 256, vec![]),
             Kernel::Topk => ("topk", 64, vec![("KMAX", TOPK_MAX)]),
+            Kernel::VisionAttn { r } => {
+                ("vision_attn", VISION_TILE, vec![("R", r), ("MAX_Q", MAX_Q)])
+            }
+            Kernel::VisionRope => ("vision_rope", 256, vec![]),
         };
         defines.insert(0, ("WG", wg));
         Spec { file, wg, defines }
@@ -211,6 +233,7 @@ impl Kernel {
     pub fn all(gdn_d: &[u32]) -> Vec<Kernel> {
         let mut out = vec![
             Kernel::Add,
+            Kernel::AddBias,
             Kernel::AddScaled,
             Kernel::Argmax,
             Kernel::AttnCombine,
@@ -221,11 +244,19 @@ impl Kernel {
             Kernel::GdnChunkPrep,
             Kernel::GdnConv,
             Kernel::GdnGatedNorm,
+            Kernel::Gelu,
+            Kernel::LayerNorm,
             Kernel::MatmulVecF16,
             Kernel::RmsNorm,
             Kernel::Swiglu,
             Kernel::Topk,
+            Kernel::VisionRope,
         ];
+        let mut r = 1;
+        while r as usize <= VISION_MAX_R {
+            out.push(Kernel::VisionAttn { r });
+            r *= 2;
+        }
         for ty in 0..WEIGHT_CODES {
             out.extend([
                 Kernel::Embed { ty },

@@ -18,9 +18,10 @@ pub mod gdn;
 pub mod kernels;
 pub mod matmul;
 pub mod plan;
+pub mod vision;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{
     AttnParams, Backend, BackendError, GdnParams, GdnWeights, KvTypes, WeightBytes, WeightSource,
@@ -269,6 +270,8 @@ impl<D: Device> Weight<D> {
 pub struct GpuBackend<D: Device> {
     pub dev: Arc<D>,
     pool: Arc<Mutex<Pool<D::Mem>>>,
+    /// ggml's GELU table as f32 (256 KiB from the pool), uploaded at the first `gelu`.
+    gelu_table: OnceLock<PBuf<D>>,
 }
 
 impl<D: Device> GpuBackend<D> {
@@ -279,7 +282,19 @@ impl<D: Device> GpuBackend<D> {
                 free: HashMap::new(),
                 allocated: 0,
             })),
+            gelu_table: OnceLock::new(),
         }
+    }
+
+    /// `backend::gelu_f16_table` as f32 values on the device, uploaded once.
+    pub(crate) fn gelu_table(&self) -> &PBuf<D> {
+        self.gelu_table.get_or_init(|| {
+            let t: Vec<f32> = super::gelu_f16_table()
+                .iter()
+                .map(|&h| half::f16::from_bits(h).to_f32())
+                .collect();
+            self.upload_pooled(bytemuck::cast_slice(&t))
+        })
     }
 
     /// A pooled buffer of at least `bytes` (rounded up to a power of two, at least 256).
@@ -618,5 +633,42 @@ impl<D: Device> Backend for GpuBackend<D> {
 
     fn argmax_rows(&self, x: &Tensor<D>) -> Vec<u32> {
         attention::argmax_rows(self, x)
+    }
+
+    fn layer_norm(&self, x: &Tensor<D>, w: &Weight<D>, b: &Weight<D>, eps: f32) -> Tensor<D> {
+        vision::layer_norm(self, x, w, b, eps)
+    }
+
+    fn add_bias(&self, x: &mut Tensor<D>, b: &Weight<D>) {
+        vision::add_bias(self, x, b)
+    }
+
+    fn gelu(&self, x: &Tensor<D>) -> Tensor<D> {
+        vision::gelu(self, x)
+    }
+
+    fn reshape(&self, t: Tensor<D>, rows: usize, cols: usize) -> Tensor<D> {
+        assert_eq!(
+            rows * cols,
+            t.len(),
+            "reshape of [{}, {}] to [{rows}, {cols}]",
+            t.rows,
+            t.cols
+        );
+        Tensor {
+            buf: t.buf,
+            rows,
+            cols,
+        }
+    }
+
+    fn vision_attention(
+        &self,
+        qkv: &Tensor<D>,
+        n_head: usize,
+        head_dim: usize,
+        rope: &[f32],
+    ) -> Tensor<D> {
+        vision::vision_attention(self, qkv, n_head, head_dim, rope)
     }
 }

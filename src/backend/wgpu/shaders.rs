@@ -1,8 +1,9 @@
 //! The WGSL sources (`shaders/*.wgsl`, one op each) and the small preprocessor that makes a
 //! kernel's source from them:
 //! - `#include "piece.wgsl"` lines are replaced by that file: the weight decoders
-//!   (`decode.wgsl`), the workgroup sum (`reduce.wgsl`) and softplus (`softplus.wgsl`) live
-//!   once and the kernels that need them include them;
+//!   (`decode.wgsl`), the workgroup sum (`reduce.wgsl`), softplus (`softplus.wgsl`) and the
+//!   exact f32 -> f16 conversion (`f16.wgsl`) live once and the kernels that need them include
+//!   them;
 //! - the kernel's constants ([`Kernel::spec`]: its workgroup size, tile sizes, dtype codes, the
 //!   head size) are declared at the top, after any `enable` directive, so that the host and the
 //!   CUDA port read the same table and no shader declares them itself;
@@ -22,6 +23,7 @@ macro_rules! shader_files {
 
 shader_files!(
     "add",
+    "add_bias",
     "add_scaled",
     "argmax",
     "attn_combine",
@@ -30,6 +32,7 @@ shader_files!(
     "concat_cols",
     "decode",
     "embed",
+    "f16",
     "fwht",
     "fwht_stage",
     "gdn_chunk_prep",
@@ -37,7 +40,9 @@ shader_files!(
     "gdn_conv",
     "gdn_gated_norm",
     "gdn_step",
+    "gelu",
     "kv_store",
+    "layer_norm",
     "matmul_tiled",
     "matmul_vec",
     "matmul_vec_f16",
@@ -46,10 +51,12 @@ shader_files!(
     "softplus",
     "swiglu",
     "topk",
+    "vision_attn",
+    "vision_rope",
 );
 
 /// Files that are pieces for `#include`, not kernels.
-pub const PIECES: &[&str] = &["decode", "reduce", "softplus"];
+pub const PIECES: &[&str] = &["decode", "f16", "reduce", "softplus"];
 
 /// The text of `shaders/<stem>.wgsl`.
 pub fn file(stem: &str) -> &'static str {
