@@ -24,12 +24,13 @@ use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 /// The test binaries whose `cuda` and `wgpu` instances the check runs (issue #12, part 5).
-pub const TESTS: [&str; 11] = [
+pub const TESTS: [&str; 12] = [
     "ops_basic",
     "ops_f16",
     "ops_matmul",
     "ops_attention",
     "ops_gdn",
+    "ops_vision",
     "golden",
     "perplexity",
     "engine",
