@@ -11,6 +11,7 @@
 //! block stays free and the grammar applies from the token after `</think>`.
 
 use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::{Matcher, ParserFactory};
@@ -244,6 +245,7 @@ impl Grammars {
             dormant,
             think_end: self.think_end,
             words: self.n_vocab.div_ceil(32),
+            cost: Duration::ZERO,
         })
     }
 }
@@ -256,6 +258,8 @@ pub struct Constraint {
     dormant: bool,
     think_end: Option<u32>,
     words: usize,
+    /// How long the last `masks_for` took (the engine computes cheap masks inline).
+    cost: Duration,
 }
 
 /// A mask per verify row: `masks[i]` holds for row i (row 0 after the last sampled token, row
@@ -279,6 +283,7 @@ impl Constraint {
             dormant: self.dormant,
             think_end: self.think_end,
             words: self.words,
+            cost: self.cost,
         }
     }
 
@@ -303,12 +308,25 @@ impl Constraint {
     }
 
     /// The masks for a verify batch `[last, drafts..]`: row 0 from the current state, then
-    /// after each draft in turn (the drafts are consumed tentatively and rolled back). Runs on
-    /// the engine's mask thread while the forward runs. Dormant: no masks.
+    /// after each draft in turn (the drafts are consumed tentatively and rolled back). The engine
+    /// runs it before the forward, or beside it on its mask thread when it is slow. Dormant:
+    /// no masks.
     pub fn masks_for(&mut self, drafts: &[u32]) -> Result<Masks, String> {
         if self.dormant {
             return Ok(Vec::new());
         }
+        let t0 = Instant::now();
+        let r = self.masks_after(drafts);
+        self.cost = t0.elapsed();
+        r
+    }
+
+    /// How long the last `masks_for` took.
+    pub fn mask_cost(&self) -> Duration {
+        self.cost
+    }
+
+    fn masks_after(&mut self, drafts: &[u32]) -> Result<Masks, String> {
         let mut out = vec![self.mask_now()?];
         let mut consumed = 0;
         for &d in drafts {

@@ -522,6 +522,49 @@ struct Worker<B: Backend> {
     metrics: Arc<Mutex<Metrics>>,
     closed: bool,
     pools: Pools,
+    masks: Option<MaskWorker>,
+}
+
+/// A constrained slot's grammar on its way to the mask thread: (slot, grammar, drafts).
+type MaskJob = (usize, Constraint, Vec<u32>);
+/// The grammar back with the masks for its verify rows, or why there are none.
+type MaskDone = (usize, Constraint, Result<Masks, String>);
+
+/// A grammar whose last masks took less than this computes them on the engine thread: handing
+/// them to the mask thread and waiting for it to be scheduled costs more than that on a busy
+/// machine (typical JSON grammars take microseconds per mask).
+const INLINE_MASK: std::time::Duration = std::time::Duration::from_micros(200);
+
+/// The masks for a verify batch; a panic inside the grammar engine fails this request only.
+fn guarded_masks(c: &mut Constraint, drafts: &[u32]) -> Result<Masks, String> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.masks_for(drafts)))
+        .unwrap_or_else(|p| Err(format!("the grammar engine failed: {}", panic_text(&p))))
+}
+
+/// The thread that computes a costly grammar's masks while the forward runs. It lives as
+/// long as the engine: spawning a thread per step costs about as much as a typical mask.
+struct MaskWorker {
+    jobs: Sender<MaskJob>,
+    done: Receiver<MaskDone>,
+}
+
+impl MaskWorker {
+    fn start() -> Result<MaskWorker, EngineError> {
+        let (jobs, job_rx) = mpsc::channel::<MaskJob>();
+        let (done_tx, done) = mpsc::channel::<MaskDone>();
+        std::thread::Builder::new()
+            .name("tern-mask".into())
+            .spawn(move || {
+                for (i, mut c, drafts) in job_rx {
+                    let m = guarded_masks(&mut c, &drafts);
+                    if done_tx.send((i, c, m)).is_err() {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| EngineError::Grammar(format!("cannot start the mask thread: {e}")))?;
+        Ok(MaskWorker { jobs, done })
+    }
 }
 
 /// The engine's own rayon pools (empty: the global pool).
@@ -653,6 +696,7 @@ impl<B: Backend> Worker<B> {
             metrics,
             closed: false,
             pools: Pools::default(),
+            masks: None,
         };
         let allocated = w.boot_ledger()?;
         Ok((w, allocated))
@@ -807,7 +851,9 @@ impl<B: Backend> Worker<B> {
                 )))
             });
             if let Err(e) = r {
-                // A model error fails the requests in flight, never the process.
+                // A model error fails the requests in flight, never the process. The mask
+                // thread may still hold their grammars or results: a fresh one starts clean.
+                self.masks = None;
                 for i in 0..self.slots.len() {
                     if let Some(t) = self.slots[i].task.take() {
                         let _ = t.tx.send(Event::Error(e.clone()));
@@ -1201,10 +1247,10 @@ impl<B: Backend> Worker<B> {
         if plan.is_empty() {
             return Ok(());
         }
-        // The grammar masks for the rows this step samples, computed on worker threads while
-        // the forward runs: a verify batch's rows (after the drafts so far) and a prompt's
-        // first token.
-        let mut mask_jobs = Vec::new();
+        // The grammar masks for the rows this step samples (a verify batch's rows after the
+        // drafts so far, a prompt's first token): here when they are cheap, else on the mask
+        // thread while the forward runs.
+        let mut mask_jobs = 0usize;
         for (i, toks, _, prefill) in &plan {
             let s = &mut self.slots[*i];
             let last_chunk = match s.task.as_ref().map(|t| (&t.phase, t.req.prompt.len())) {
@@ -1216,26 +1262,30 @@ impl<B: Backend> Worker<B> {
             {
                 continue;
             }
-            let mut c = s.dec.constraint.take().expect("active");
             let drafts = if *prefill {
                 Vec::new()
             } else {
                 toks[1..].to_vec()
             };
-            let handle = std::thread::Builder::new()
-                .name("tern-mask".into())
-                .spawn(move || {
-                    let m = c.masks_for(&drafts);
-                    (c, m)
-                });
-            match handle {
-                Ok(h) => mask_jobs.push((*i, h)),
-                Err(e) => {
-                    return Err(EngineError::Grammar(format!(
-                        "cannot start the mask thread: {e}"
-                    )))
+            let c = s.dec.constraint.as_mut().expect("active");
+            if c.mask_cost() < INLINE_MASK {
+                match guarded_masks(c, &drafts) {
+                    Ok(m) => s.dec.masks = m,
+                    Err(e) => s.dec.constraint_error = Some(e),
                 }
+                continue;
             }
+            let c = s.dec.constraint.take().expect("active");
+            if self.masks.is_none() {
+                self.masks = Some(MaskWorker::start()?);
+            }
+            let w = self.masks.as_ref().expect("started");
+            if let Err(mpsc::SendError((_, c, _))) = w.jobs.send((*i, c, drafts)) {
+                self.slots[*i].dec.constraint = Some(c);
+                self.masks = None;
+                return Err(EngineError::Grammar("the mask thread stopped".into()));
+            }
+            mask_jobs += 1;
         }
         let t0 = Instant::now();
         let outs = {
@@ -1262,10 +1312,11 @@ impl<B: Backend> Worker<B> {
                 .map_err(model_err)?
         };
         let step_s = t0.elapsed().as_secs_f64();
-        for (i, h) in mask_jobs {
-            let (c, masks) = h
-                .join()
-                .map_err(|p| EngineError::Grammar(format!("mask thread: {}", panic_text(&p))))?;
+        for _ in 0..mask_jobs {
+            let Some(Ok((i, c, masks))) = self.masks.as_ref().map(|w| w.done.recv()) else {
+                self.masks = None;
+                return Err(EngineError::Grammar("the mask thread stopped".into()));
+            };
             let d = &mut self.slots[i].dec;
             d.constraint = Some(c);
             match masks {

@@ -34,7 +34,7 @@ const USAGE: &str = "usage: cargo xtask <task>
                         device's copy bandwidth measured in the same run (cuda needs
                         `cargo run --release -p xtask --features cuda -- bench ...`)
   bench --kernels       single-thread dot_row throughput per weight type
-  bench --engine [--wgpu] [--schema-only] [FILE]
+  bench --engine [--wgpu] [--schema-only] [--decode N] [FILE]
                         the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on,
                         f16 V under a JSON schema (--schema-only: only f16 V, with and without)
   gpu-kit [--out DIR]   build, without a GPU, the kit that checks the cuda and wgpu backends on an
@@ -200,7 +200,18 @@ fn main() -> Result<()> {
                 return bench_lora::lora_cost(&file, backend, rank, 32);
             }
             if args[1..].iter().any(|a| a == "--engine") {
-                let rest: Vec<&String> = args[1..].iter().filter(|a| *a != "--engine").collect();
+                let mut rest: Vec<&String> =
+                    args[1..].iter().filter(|a| *a != "--engine").collect();
+                let decode = match rest.iter().position(|a| a.as_str() == "--decode") {
+                    Some(k) => match rest.get(k + 1).map(|v| v.parse::<usize>()) {
+                        Some(Ok(n)) if n > 0 => {
+                            rest.drain(k..k + 2);
+                            n
+                        }
+                        _ => bail!("--decode needs a positive number\n{USAGE}"),
+                    },
+                    None => 32,
+                };
                 let file = rest
                     .iter()
                     .find(|a| !a.starts_with("--"))
@@ -212,7 +223,7 @@ fn main() -> Result<()> {
                     "cpu"
                 };
                 let schema_only = rest.iter().any(|a| a.as_str() == "--schema-only");
-                return bench::engine(&file, backend, 32, schema_only);
+                return bench::engine(&file, backend, decode, schema_only);
             }
             let mut it = args[1..].iter();
             let num = |v: Option<&String>, flag: &str| -> Result<usize> {
