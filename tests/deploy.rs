@@ -390,30 +390,20 @@ fn replicas_behind_nginx_answer_everything_while_one_drains() {
         let (i, stream, r, took) = c.join().unwrap();
         assert!(seen.insert(i));
         assert_eq!(r.status, 200, "request {i}: {}", r.text());
-        let finish = if stream {
-            let events = r.sse();
-            if r.text().contains("\"error\"") || events.last().map(String::as_str) != Some("[DONE]")
+        if stream {
+            if r.text().contains("\"error\"")
+                || r.sse().last().map(String::as_str) != Some("[DONE]")
             {
                 cut += 1;
             }
-            events
-                .iter()
-                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
-                .find_map(|e| {
-                    e["choices"][0]["finish_reason"]
-                        .as_str()
-                        .map(str::to_string)
-                })
         } else {
             let v = r.json();
             assert_eq!(
                 v["usage"]["completion_tokens"], max_tokens,
                 "request {i}: {v}"
             );
-            v["choices"][0]["finish_reason"]
-                .as_str()
-                .map(str::to_string)
-        };
+        }
+        let finish = r.finish_reason();
         assert_eq!(
             finish.as_deref(),
             Some("length"),

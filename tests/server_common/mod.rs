@@ -89,6 +89,24 @@ impl Resp {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The finish reason of the first choice: from the chunk that carries it in a stream,
+    /// else from the body.
+    pub fn finish_reason(&self) -> Option<String> {
+        let reason = |v: &Value| {
+            v["choices"][0]["finish_reason"]
+                .as_str()
+                .map(str::to_string)
+        };
+        if self.header("content-type") == Some("text/event-stream") {
+            self.sse()
+                .iter()
+                .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+                .find_map(|e| reason(&e))
+        } else {
+            reason(&self.json())
+        }
+    }
+
     /// The `data:` payloads of an SSE body, in order.
     pub fn sse(&self) -> Vec<String> {
         self.text()
