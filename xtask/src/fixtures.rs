@@ -17,7 +17,7 @@ use crate::vocab::{self, Vocab};
 /// The master seed of every fixture.
 pub const SEED: u64 = 0x7465_726E_2D66_6978; // "tern-fix"
 /// Learned BPE merges in every fixture vocabulary.
-const N_MERGES: usize = 200;
+pub const N_MERGES: usize = 200;
 /// Tokens per golden sequence: one full GDN chunk (64) plus one.
 const N_TOKENS: usize = 65;
 const CHAT_TEMPLATE: &str = include_str!("chat_template.jinja");
@@ -268,7 +268,7 @@ fn f32_bytes(w: &[f32]) -> Vec<u8> {
 }
 
 /// Encodes a tensor in `ty`, row by row, with tern's quantizers (F32 is raw bytes).
-fn encode(ty: GgmlType, ne0: usize, w: &[f32]) -> Result<Vec<u8>> {
+pub fn encode(ty: GgmlType, ne0: usize, w: &[f32]) -> Result<Vec<u8>> {
     if ty == GgmlType::F32 {
         return Ok(f32_bytes(w));
     }
@@ -333,7 +333,7 @@ fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync) -> Vec<T> {
 // ---------------------------------------------------------------------------------------------
 // Metadata
 
-fn file_type_of(ty: GgmlType) -> u32 {
+pub fn file_type_of(ty: GgmlType) -> u32 {
     match ty {
         GgmlType::F32 => 0,
         GgmlType::F16 => 1,
@@ -357,7 +357,7 @@ pub fn type_name(ty: GgmlType) -> &'static str {
     }
 }
 
-fn set_metadata(w: &mut GgufWriter, g: &Geometry, vocab: &Vocab, name: &str, file_type: u32) {
+pub fn set_metadata(w: &mut GgufWriter, g: &Geometry, vocab: &Vocab, name: &str, file_type: u32) {
     let u = |x: usize| Value::U32(x as u32);
     w.set("general.architecture", Value::String("qwen35".into()));
     w.set("general.name", Value::String(name.into()));
@@ -722,7 +722,7 @@ pub fn tiny_set() -> Result<(Vec<Fixture>, Vec<String>)> {
 // ---------------------------------------------------------------------------------------------
 // Writing
 
-fn sha256_file(path: &Path) -> Result<String> {
+pub fn sha256_file(path: &Path) -> Result<String> {
     use std::io::Read;
     let mut f = std::fs::File::open(path)?;
     let mut h = Sha256::new();

@@ -12,6 +12,7 @@ mod quality;
 mod rng;
 mod tokcheck;
 mod train_demo;
+mod vision_fixtures;
 mod vocab;
 
 use std::path::PathBuf;
@@ -19,15 +20,20 @@ use std::path::PathBuf;
 use anyhow::{bail, Result};
 
 const USAGE: &str = "usage: cargo xtask <task>
-  fixtures [--out DIR]  write the tiny golden-test GGUFs, their twins and manifest.json to fixtures/
+  fixtures [--out DIR] [--vision-only]
+                        write the tiny golden-test GGUFs, their twins and manifest.json to fixtures/,
+                        the LoRA adapters (fixtures/lora/) and the vision set (fixtures/vision/: a
+                        tiny-vl text model, Qwen3-VL projectors in F32/F16/Q8_0, test images)
   fixtures --bench      write fixtures/bench/bench-0.8b-{q8_0,pq2_0}.gguf (large, not committed)
-  goldens [--perplexity-only | --lora-only]
+  goldens [--perplexity-only | --lora-only | --vision-only]
                         run stock llama.cpp (llama-cpp-python) and the NumPy reference on the
                         fixtures, writing fixtures/golden/ (needs TERN_PYTHON or python3 with
                         llama-cpp-python==0.3.36, gguf, numpy), and llama-perplexity
                         (TERN_LLAMA_BIN: the directory with it) on the F16 demo model over
                         fixtures/demo/heldout.txt (fixtures/golden/perplexity.json); the
-                        LoRA goldens (xtask/py/lora_goldens.py, fixtures/golden/lora)
+                        LoRA goldens (xtask/py/lora_goldens.py, fixtures/golden/lora); the vision
+                        goldens (xtask/py/vision_goldens.py, fixtures/golden/vision: mtmd's image
+                        embeddings and logits at every position, flash attention off)
   bench [--backend cpu,wgpu,cuda] [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
                         tern vs stock llama.cpp on the bench files (default: fixtures/bench/*);
                         GB/s of weights streamed per decoded token, and on cuda against the
@@ -102,11 +108,13 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("fixtures") => {
             let mut bench = false;
+            let mut vision_only = false;
             let mut out = workspace_root().join("fixtures");
             let mut it = args[1..].iter();
             while let Some(a) = it.next() {
                 match a.as_str() {
                     "--bench" => bench = true,
+                    "--vision-only" => vision_only = true,
                     "--out" => match it.next() {
                         Some(d) => out = PathBuf::from(d),
                         None => bail!("--out needs a directory\n{USAGE}"),
@@ -116,15 +124,33 @@ fn main() -> Result<()> {
             }
             if bench {
                 fixtures::write_bench(&out)
+            } else if vision_only {
+                vision_fixtures::write(&out)
             } else {
                 fixtures::write_tiny(&out)?;
-                lora_fixtures::write(&out)
+                lora_fixtures::write(&out)?;
+                vision_fixtures::write(&out)
             }
         }
         Some("goldens") => {
             let root = workspace_root();
             let only_ppl = args[1..].iter().any(|a| a == "--perplexity-only");
             let only_lora = args[1..].iter().any(|a| a == "--lora-only");
+            let only_vision = args[1..].iter().any(|a| a == "--vision-only");
+            if !only_ppl && !only_lora {
+                // The vision goldens (fixtures/golden/vision): mtmd's embeddings and logits.
+                let st = std::process::Command::new(python())
+                    .arg(root.join("xtask/py/vision_goldens.py"))
+                    .args(["--fixtures", "fixtures", "--out", "fixtures/golden/vision"])
+                    .current_dir(&root)
+                    .status()?;
+                if !st.success() {
+                    bail!("vision_goldens.py failed ({st})");
+                }
+            }
+            if only_vision {
+                return Ok(());
+            }
             if !only_ppl && !only_lora {
                 let st = std::process::Command::new(python())
                     .arg(root.join("xtask/py/goldens.py"))

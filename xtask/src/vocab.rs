@@ -189,6 +189,19 @@ pub fn build(n_merges: usize, n_filler: usize) -> Vocab {
     }
 }
 
+/// The wrapper tokens mtmd puts around a Qwen-VL image (control tokens, after the specials).
+pub const VISION_SPECIALS: [&str; 3] = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"];
+
+/// The tiny vocabulary plus the vision wrappers: ids of every other token are unchanged.
+pub fn build_vl(n_merges: usize) -> Vocab {
+    let mut v = build(n_merges, 0);
+    for s in VISION_SPECIALS {
+        v.tokens.push(s.to_string());
+        v.types.push(3);
+    }
+    v
+}
+
 /// Builds a vocabulary of exactly `n_vocab` tokens (bench files), padding with fillers.
 pub fn build_exact(n_merges: usize, n_vocab: usize) -> Vocab {
     let base = build(n_merges, 0);
