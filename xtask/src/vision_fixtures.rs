@@ -102,16 +102,46 @@ pub fn projector(ty: GgmlType, n_embd_text: usize) -> Result<GgufWriter> {
     };
     let k_in = 3 * PATCH * PATCH;
     let a = mat(2 * k_in);
-    add("v.patch_embd.weight", &[PATCH, PATCH, 3, WIDTH], kernel_ty, -a, a)?;
-    add("v.patch_embd.weight.1", &[PATCH, PATCH, 3, WIDTH], kernel_ty, -a, a)?;
+    add(
+        "v.patch_embd.weight",
+        &[PATCH, PATCH, 3, WIDTH],
+        kernel_ty,
+        -a,
+        a,
+    )?;
+    add(
+        "v.patch_embd.weight.1",
+        &[PATCH, PATCH, 3, WIDTH],
+        kernel_ty,
+        -a,
+        a,
+    )?;
     add("v.patch_embd.bias", &[WIDTH], GgmlType::F32, -0.1, 0.1)?;
     let grid = (IMAGE_SIZE / PATCH) * (IMAGE_SIZE / PATCH);
-    add("v.position_embd.weight", &[WIDTH, grid], GgmlType::F32, -0.5, 0.5)?;
+    add(
+        "v.position_embd.weight",
+        &[WIDTH, grid],
+        GgmlType::F32,
+        -0.5,
+        0.5,
+    )?;
     for il in 0..LAYERS {
         let p = |s: &str| format!("v.blk.{il}.{s}");
         for ln in ["ln1", "ln2"] {
-            add(&p(&format!("{ln}.weight")), &[WIDTH], GgmlType::F32, 0.8, 1.2)?;
-            add(&p(&format!("{ln}.bias")), &[WIDTH], GgmlType::F32, -0.1, 0.1)?;
+            add(
+                &p(&format!("{ln}.weight")),
+                &[WIDTH],
+                GgmlType::F32,
+                0.8,
+                1.2,
+            )?;
+            add(
+                &p(&format!("{ln}.bias")),
+                &[WIDTH],
+                GgmlType::F32,
+                -0.1,
+                0.1,
+            )?;
         }
         let m = mat(WIDTH);
         add(&p("attn_qkv.weight"), &[WIDTH, 3 * WIDTH], ty, -m, m)?;
@@ -151,7 +181,7 @@ pub const IMAGES: [TestImage; 5] = [
     },
     TestImage {
         file: "wide-100x37.jpg",
-        why: "JPEG; under the 8-token minimum: upscaled to 160x64, resized to 160x60, padded",
+        why: "JPEG (grayscale); under the 8-token minimum: upscaled to 160x64, resized to 160x60, padded",
         width: 100,
         height: 37,
     },
@@ -212,11 +242,13 @@ fn encode_image(img: &TestImage) -> Result<Vec<u8>> {
             h,
             image::ExtendedColorType::Rgb8,
         )?,
+        // Grayscale: JPEG decoders differ in chroma upsampling (stb_image's, which llama.cpp
+        // uses, is not zune-jpeg's), never in a single component's IDCT.
         "jpg" => image::codecs::jpeg::JpegEncoder::new_with_quality(&mut out, 90).write_image(
-            &px,
+            &image::DynamicImage::ImageRgb8(px).to_luma8(),
             w,
             h,
-            image::ExtendedColorType::Rgb8,
+            image::ExtendedColorType::L8,
         )?,
         "webp" => image::codecs::webp::WebPEncoder::new_lossless(&mut out).write_image(
             &px,
