@@ -6,7 +6,7 @@ mod common;
 use common::{assert_close, cpu, weight, Rng};
 use tern::backend::gpu::attention::{read_cache, topk_rows};
 use tern::backend::gpu::{Device, GpuBackend};
-use tern::backend::{AttnParams, Backend, KvTypes};
+use tern::backend::{rope_table, AttnParams, Backend, KvTypes};
 use tern::tensor::GgmlType;
 
 use GgmlType::{BF16, F16, F32, Q4_0, Q8_0};
@@ -119,7 +119,8 @@ fn run_on<B: Backend>(
         let v = be.from_host(&x.v[t0 * kw..(t0 + n) * kw], n, kw);
         let pos0 = be.kv_len(kv);
         assert_eq!(pos0, t0);
-        let y = be.attention(p, &qg, &k, &v, qn, kn, kv, pos0);
+        let rope = rope_table(pos0, n, p.n_rot, p.rope_base, p.rope_sections);
+        let y = be.attention(p, &qg, &k, &v, qn, kn, kv, pos0, &rope);
         assert_eq!(be.kv_len(kv), t0 + n);
         out.extend(be.to_host(&y));
         t0 += n;

@@ -433,6 +433,7 @@ fn attention() {
                 &knw,
                 &mut kv,
                 pos,
+                &tern::backend::rope_table(pos, rows, p.n_rot, p.rope_base, p.rope_sections),
             ));
             let mut want = Vec::new();
             for t in 0..rows {

@@ -290,10 +290,12 @@ pub trait Backend: Send + Sync {
     /// Makes `to` hold what `from` holds (same geometry and dtypes): the runtime forks one
     /// prompt's state into the slots of a request's other choices (`n > 1`).
     fn kv_copy(&self, from: &Self::Kv, to: &mut Self::Kv);
-    /// The gated attention core for rows at positions `pos0..pos0+rows`: splits `qg` into q and
-    /// gate per head, q/k RMSNorm, partial NEOX (IMROPE) RoPE, appends k/v to the cache,
-    /// causal grouped-GQA softmax attention, sigmoid gate. Returns `[rows, n_head*head_dim]`
-    /// (the input of `attn_output`).
+    /// The gated attention core for rows at cache indices `pos0..pos0+rows`: splits `qg` into q
+    /// and gate per head, q/k RMSNorm, partial NEOX (IMROPE) RoPE by `rope` (the rows' `(sin,
+    /// cos)` table from [`rope_table`] / [`rope_table_at`]: a row's M-RoPE position need not be
+    /// its cache index once an image has run), appends k/v to the cache, causal grouped-GQA
+    /// softmax attention in cache order, sigmoid gate. Returns `[rows, n_head*head_dim]` (the
+    /// input of `attn_output`).
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -305,6 +307,7 @@ pub trait Backend: Send + Sync {
         k_norm: &Self::W,
         kv: &mut Self::Kv,
         pos0: usize,
+        rope: &[f32],
     ) -> Self::T;
 
     fn new_recurrent(&self, p: &GdnParams) -> Self::Rs;
@@ -363,12 +366,10 @@ pub trait Backend: Send + Sync {
     fn compute_bytes(&self) -> Option<u64>;
 }
 
-/// `(sin θ, cos θ)` for every (row, rotated pair) of a RoPE'd batch at positions `pos0..`, as
-/// the CPU reference computes them: θ = p · base^(-2i/n_rot) multiplied up in f32 (ggml's
-/// order), with the IMROPE sector rule (text positions are (p, p, p, 0), so pairs outside the
-/// t/h/w sections rotate by position 0). GPU backends upload this table rather than evaluate
-/// sin/cos of angles up to the context length, which shader sin/cos do not promise to do
-/// accurately.
+/// `(sin θ, cos θ)` for every (row, rotated pair) of a RoPE'd batch of text at positions
+/// `pos0..`: each row at M-RoPE position `(p, p, p, 0)` ([`rope_table_at`]). GPU backends upload
+/// this table rather than evaluate sin/cos of angles up to the context length, which shader
+/// sin/cos do not promise to do accurately.
 pub fn rope_table(
     pos0: usize,
     rows: usize,
@@ -376,24 +377,48 @@ pub fn rope_table(
     base: f32,
     sections: [i32; 4],
 ) -> Vec<f32> {
+    let pos: Vec<[u32; 4]> = (0..rows)
+        .map(|t| {
+            let p = (pos0 + t) as u32;
+            [p, p, p, 0]
+        })
+        .collect();
+    rope_table_at(&pos, n_rot, base, sections)
+}
+
+/// `(sin θ, cos θ)` for every (row, rotated pair) at explicit M-RoPE positions `[t, h, w, e]`
+/// (an image token is `[p0, p0 + row, p0 + col, 0]`, text `[p, p, p, 0]`), as the CPU
+/// reference computes them: each of the four streams multiplied up by base^(-2/n_rot) in f32
+/// once per pair (ggml's `ggml_mrope_cache_init`), and pair i takes stream t, h or w by the
+/// IMROPE sector rule (sector i mod Σsections, inside 3·section), the 4th stream otherwise.
+pub fn rope_table_at(pos: &[[u32; 4]], n_rot: usize, base: f32, sections: [i32; 4]) -> Vec<f32> {
     let half = n_rot / 2;
     let theta_scale = base.powf(-2.0 / n_rot as f32);
     let sect_dims: i32 = sections.iter().sum();
-    let mut out = Vec::with_capacity(rows * half * 2);
-    for t in 0..rows {
-        let mut theta_p = (pos0 + t) as f32;
+    let mut out = Vec::with_capacity(pos.len() * half * 2);
+    for p in pos {
+        let mut th = p.map(|x| x as f32);
         for i in 0..half {
-            let in_thw = sect_dims <= 0 || {
+            let stream = if sect_dims <= 0 {
+                0
+            } else {
                 let s = (i as i32) % sect_dims;
-                (s % 3 == 1 && s < 3 * sections[1])
-                    || (s % 3 == 2 && s < 3 * sections[2])
-                    || (s % 3 == 0 && s < 3 * sections[0])
+                if s % 3 == 1 && s < 3 * sections[1] {
+                    1
+                } else if s % 3 == 2 && s < 3 * sections[2] {
+                    2
+                } else if s % 3 == 0 && s < 3 * sections[0] {
+                    0
+                } else {
+                    3
+                }
             };
-            let theta = if in_thw { theta_p } else { 0.0 };
-            let (sin, cos) = theta.sin_cos();
+            let (sin, cos) = th[stream].sin_cos();
             out.push(sin);
             out.push(cos);
-            theta_p *= theta_scale;
+            for t in &mut th {
+                *t *= theta_scale;
+            }
         }
     }
     out

@@ -129,6 +129,7 @@ pub fn run<B: Backend>(
                 .map(|(st, t)| BatchItem {
                     seq: st,
                     tokens: &t[..first],
+                    image: None,
                     all_rows: false,
                     hidden_rows: false,
                     snapshot: false,
@@ -148,6 +149,7 @@ pub fn run<B: Backend>(
                 .map(|(st, t)| BatchItem {
                     seq: st,
                     tokens: &t[p..end],
+                    image: None,
                     all_rows: true,
                     hidden_rows: false,
                     snapshot: false,

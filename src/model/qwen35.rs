@@ -8,7 +8,12 @@ use crate::backend::{Backend, GdnWeights, KvTypes};
 /// Per-sequence state of the trunk: attention KV for full-attention layers, conv + SSM state
 /// for Gated DeltaNet layers, and the next position.
 pub struct SeqState<B: Backend> {
+    /// Rows held (the cache index of the next row).
     pub pos: usize,
+    /// How far the M-RoPE position counter trails `pos`: an image holds rows × cols cache
+    /// entries but advances the position by max(rows, cols) (model-vision.md §4), so the next
+    /// text row's position is `pos - lag`.
+    pub lag: usize,
     pub kv: Vec<Option<B::Kv>>,
     pub rs: Vec<Option<B::Rs>>,
     /// Rollback cells for speculative verify: `cells[il][t]` receives layer il's recurrent
@@ -54,11 +59,21 @@ impl<B: Backend> SeqState<B> {
     }
 }
 
-/// One sequence's share of a batched step: its state, the tokens to run at `seq.pos..`, and
-/// whether it wants a logits row per token or only for the last.
+/// An image's embedding rows (the projector's output, `[rows · cols, n_embd]` in row-major grid
+/// order) run in place of token ids.
+pub struct ImageRows<'s, T> {
+    pub embd: &'s T,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// One sequence's share of a batched step: its state, the tokens to run at `seq.pos..` (or an
+/// image's rows, with `tokens` empty), and whether it wants a logits row per token or only for
+/// the last.
 pub struct BatchItem<'s, B: Backend> {
     pub seq: &'s mut SeqState<B>,
     pub tokens: &'s [u32],
+    pub image: Option<ImageRows<'s, B::T>>,
     pub all_rows: bool,
     /// h for every row but logits for the last only: a prompt whose rows feed the MTP head
     /// (its `[rows, n_vocab]` logits would be computed for nothing).
@@ -97,6 +112,7 @@ impl<B: Backend> Model<B> {
         }
         Ok(SeqState {
             pos: 0,
+            lag: 0,
             kv,
             rs: (0..n)
                 .map(|il| self.cfg.is_recurrent(il).then(|| be.new_recurrent(&gp)))
@@ -141,7 +157,7 @@ impl<B: Backend> Model<B> {
         a: &AttnWeights<B::W>,
         h: &B::T,
         batch: &Batch,
-        caches: &mut [(&mut B::Kv, usize)],
+        caches: &mut [(&mut B::Kv, usize, &[f32])],
     ) -> B::T {
         let at = |m| Site::Layer(il, m);
         let qkv = self.mm_many(
@@ -152,8 +168,8 @@ impl<B: Backend> Model<B> {
         );
         let ap = self.cfg.attn_params();
         let o = batch.per_seq(be, &qkv, |i, t| {
-            let (kv, pos0) = &mut caches[i];
-            be.attention(&ap, t[0], t[1], t[2], &a.q_norm, &a.k_norm, kv, *pos0)
+            let (kv, pos0, rope) = &mut caches[i];
+            be.attention(&ap, t[0], t[1], t[2], &a.q_norm, &a.k_norm, kv, *pos0, rope)
         });
         self.mm(be, at(Mat::O), &a.o, &o, &batch.lora)
     }
@@ -282,6 +298,33 @@ impl<B: Backend> Model<B> {
         let mut items = [BatchItem {
             seq: st,
             tokens,
+            image: None,
+            all_rows,
+            hidden_rows: false,
+            snapshot: false,
+        }];
+        Ok(self
+            .forward_batch(be, &mut items)?
+            .pop()
+            .expect("one output per item"))
+    }
+
+    /// Runs an image's embedding rows (`[rows · cols, n_embd]`, the projector's output) at the
+    /// state's M-RoPE position (model-vision.md §4); afterwards text resumes at that position
+    /// plus max(rows, cols). With `all_rows` one logits row per image token.
+    pub fn forward_image(
+        &self,
+        be: &B,
+        st: &mut SeqState<B>,
+        embd: &B::T,
+        rows: usize,
+        cols: usize,
+        all_rows: bool,
+    ) -> Result<Output<B::T>, ModelError> {
+        let mut items = [BatchItem {
+            seq: st,
+            tokens: &[],
+            image: Some(ImageRows { embd, rows, cols }),
             all_rows,
             hidden_rows: false,
             snapshot: false,
@@ -303,17 +346,19 @@ impl<B: Backend> Model<B> {
     ) -> Result<Vec<Output<B::T>>, ModelError> {
         let batch = self.batch(items)?;
         let eps = self.cfg.eps;
-        let mut x = be.embed(&self.w.token_embd, &batch.tokens);
+        let mut x = self.input_rows(be, items, &batch);
         for (il, layer) in self.w.layers.iter().enumerate() {
             let h = be.rms_norm(&x, &layer.attn_norm, eps);
             let mixed = match &layer.mixer {
                 Mixer::Attn(a) => {
-                    let mut caches: Vec<(&mut B::Kv, usize)> = items
+                    let mut caches: Vec<(&mut B::Kv, usize, &[f32])> = items
                         .iter_mut()
-                        .map(|it| {
+                        .zip(&batch.rope)
+                        .map(|(it, rope)| {
                             let pos0 = it.seq.pos;
                             let kv = it.seq.kv[il].as_mut();
-                            (kv.expect("an attention layer has a KV cache"), pos0)
+                            let kv = kv.expect("an attention layer has a KV cache");
+                            (kv, pos0, rope.as_slice())
                         })
                         .collect();
                     self.attn_mixer(be, il, a, &h, &batch, &mut caches)
@@ -323,8 +368,11 @@ impl<B: Backend> Model<B> {
             be.add_assign(&mut x, &mixed);
             self.ffn(be, il, layer, &mut x, &batch.lora);
         }
-        for it in items.iter_mut() {
-            it.seq.pos += it.tokens.len();
+        for (it, &(_, n)) in items.iter_mut().zip(&batch.spans) {
+            it.seq.pos += n;
+            if let Some(img) = &it.image {
+                it.seq.lag += n - img.rows.max(img.cols);
+            }
         }
         // h_nextn for the rows each sequence wants, logits for the rows it wants them for.
         let picks = batch.picks(items);
@@ -346,22 +394,66 @@ impl<B: Backend> Model<B> {
         Ok(picks.split(be, logits, h))
     }
 
-    /// Checks a batch's items and lays their tokens out one after another.
+    /// The batch's input rows: token embeddings, an image item's rows as given.
+    fn input_rows(&self, be: &B, items: &[BatchItem<'_, B>], batch: &Batch) -> B::T {
+        if items.iter().all(|it| it.image.is_none()) {
+            return be.embed(&self.w.token_embd, &batch.tokens);
+        }
+        let parts: Vec<B::T> = items
+            .iter()
+            .map(|it| match &it.image {
+                Some(img) => be.rows(img.embd, 0, img.rows * img.cols),
+                None => be.embed(&self.w.token_embd, it.tokens),
+            })
+            .collect();
+        be.concat_rows(&parts.iter().collect::<Vec<_>>())
+    }
+
+    /// Checks a batch's items and lays their rows out one after another, with each item's
+    /// rotary table at its M-RoPE positions: text row k at `p + k` on every stream, image token
+    /// k at `[p, p + k / cols, p + k % cols, 0]` (`p = pos - lag`, model-vision.md §4).
     fn batch(&self, items: &[BatchItem<'_, B>]) -> Result<Batch, ModelError> {
         assert!(!items.is_empty(), "forward of an empty batch");
         let mut tokens = Vec::new();
         let mut spans = Vec::with_capacity(items.len());
+        let mut rope = Vec::with_capacity(items.len());
+        let mut rows = 0;
+        let ap = self.cfg.attn_params();
         for it in items {
             self.check_tokens(it.tokens)?;
-            assert!(!it.tokens.is_empty(), "a batch item without tokens");
-            let end = it.seq.pos + it.tokens.len();
+            let n = match &it.image {
+                Some(img) => {
+                    assert!(it.tokens.is_empty(), "an image item with token ids");
+                    img.rows * img.cols
+                }
+                None => it.tokens.len(),
+            };
+            assert!(n > 0, "a batch item without rows");
+            let end = it.seq.pos + n;
             if end > self.cfg.context_length {
                 return Err(ModelError::ContextFull {
                     pos: end,
                     n_ctx: self.cfg.context_length,
                 });
             }
-            spans.push((tokens.len(), it.tokens.len()));
+            let p = (it.seq.pos - it.seq.lag) as u32;
+            let pos: Vec<[u32; 4]> = match &it.image {
+                Some(img) => (0..n as u32)
+                    .map(|k| {
+                        let c = img.cols as u32;
+                        [p, p + k / c, p + k % c, 0]
+                    })
+                    .collect(),
+                None => (0..n as u32).map(|k| [p + k, p + k, p + k, 0]).collect(),
+            };
+            rope.push(crate::backend::rope_table_at(
+                &pos,
+                ap.n_rot,
+                ap.rope_base,
+                ap.rope_sections,
+            ));
+            spans.push((rows, n));
+            rows += n;
             tokens.extend_from_slice(it.tokens);
         }
         let lora = RowScales::new(
@@ -372,6 +464,8 @@ impl<B: Backend> Model<B> {
         Ok(Batch {
             tokens,
             spans,
+            rows,
+            rope,
             lora,
         })
     }
@@ -432,6 +526,8 @@ impl<B: Backend> Model<B> {
         let hh = be.rms_norm(h_prev, &mtp.hnorm, eps);
         let batch = Batch::one(
             tokens,
+            st.pos,
+            &self.cfg.attn_params(),
             RowScales::new(self.adapters.len(), [st.lora.as_slice()], [tokens.len()]),
         );
         let mut c = self.mm(
@@ -446,7 +542,8 @@ impl<B: Backend> Model<B> {
             unreachable!("the MTP block's layer is a full-attention layer")
         };
         let il = self.cfg.n_layer;
-        let a = self.attn_mixer(be, il, aw, &h, &batch, &mut [(&mut st.kv, st.pos)]);
+        let rope = &batch.rope[0];
+        let a = self.attn_mixer(be, il, aw, &h, &batch, &mut [(&mut st.kv, st.pos, rope)]);
         be.add_assign(&mut c, &a);
         self.ffn(be, il, &mtp.layer, &mut c, &batch.lora);
         st.pos += tokens.len();
@@ -457,18 +554,32 @@ impl<B: Backend> Model<B> {
 /// The rows of one batched step: every item's tokens, one after another, and each item's
 /// `(first row, count)`.
 struct Batch {
+    /// The token ids of the text items (image rows have none).
     tokens: Vec<u32>,
     spans: Vec<(usize, usize)>,
+    rows: usize,
+    /// Each item's rotary table (`backend::rope_table_at`).
+    rope: Vec<Vec<f32>>,
     /// Each LoRA adapter's scale for every row.
     lora: RowScales,
 }
 
 impl Batch {
     /// One sequence's tokens.
-    fn one(tokens: &[u32], lora: RowScales) -> Batch {
+    /// One sequence's tokens at text positions `pos0..`.
+    fn one(tokens: &[u32], pos0: usize, ap: &crate::backend::AttnParams, lora: RowScales) -> Batch {
+        let rope = crate::backend::rope_table(
+            pos0,
+            tokens.len(),
+            ap.n_rot,
+            ap.rope_base,
+            ap.rope_sections,
+        );
         Batch {
             tokens: tokens.to_vec(),
             spans: vec![(0, tokens.len())],
+            rows: tokens.len(),
+            rope: vec![rope],
             lora,
         }
     }
@@ -513,7 +624,7 @@ impl Batch {
         Picks {
             h,
             logits,
-            rows: self.tokens.len(),
+            rows: self.rows,
         }
     }
 }

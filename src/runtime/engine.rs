@@ -774,6 +774,7 @@ impl<B: Backend> Worker<B> {
                     BatchItem {
                         seq: &mut s.dec.seq,
                         tokens,
+                        image: None,
                         all_rows: i > 0,
                         hidden_rows: i == 0 && wants,
                         snapshot: i > 0 && tokens.len() > 1,
@@ -932,6 +933,7 @@ impl<B: Backend> Worker<B> {
             self.be.recurrent_copy(&zero, r);
         }
         s.dec.seq.pos = 0;
+        s.dec.seq.lag = 0;
         if let Some(m) = s.dec.mtp.as_mut() {
             self.be.kv_truncate(&mut m.state.kv, 0);
             m.state.pos = 0;
@@ -1171,6 +1173,7 @@ impl<B: Backend> Worker<B> {
             }
         }
         b.dec.seq.pos = a.dec.seq.pos;
+        b.dec.seq.lag = a.dec.seq.lag;
         // The copied cache was computed under these adapter scales (reusable() compares them).
         b.dec.seq.lora = a.dec.seq.lora.clone();
         if let (Some(x), Some(y)) = (a.dec.mtp.as_ref(), b.dec.mtp.as_mut()) {
@@ -1299,6 +1302,7 @@ impl<B: Backend> Worker<B> {
                 .map(|(i, toks, rows, prefill)| BatchItem {
                     seq: seqs[*i].take().unwrap(),
                     tokens: toks,
+                    image: None,
                     // A prompt chunk feeding the MTP head wants h of every row, logits of
                     // the last; a verify batch wants both of every row.
                     all_rows: *rows && !*prefill,

@@ -419,6 +419,7 @@ impl<'a, B: Backend> Generator<'a, B> {
         let mut items = [BatchItem {
             seq: &mut self.slot.seq,
             tokens: prompt,
+            image: None,
             all_rows: false,
             hidden_rows,
             snapshot: false,
@@ -464,6 +465,7 @@ impl<'a, B: Backend> Generator<'a, B> {
         let mut items = [BatchItem {
             seq: &mut self.slot.seq,
             tokens: &batch,
+            image: None,
             all_rows: rows,
             hidden_rows: false,
             snapshot: !drafts.is_empty(),

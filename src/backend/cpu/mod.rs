@@ -630,6 +630,7 @@ impl Backend for CpuBackend {
         k_norm: &Weight,
         kv: &mut Kv,
         pos0: usize,
+        rope_all: &[f32],
     ) -> Tensor {
         let hd = p.head_dim;
         let n_tok = qg.rows;
@@ -647,7 +648,11 @@ impl Backend for CpuBackend {
         let mut q = vec![0f32; n_tok * nh * hd];
         let mut gate = vec![0f32; n_tok * nh * hd];
         let mut k_new = vec![0f32; n_tok * width];
-        let rope_all = super::rope_table(pos0, n_tok, p.n_rot, p.rope_base, p.rope_sections);
+        assert_eq!(
+            rope_all.len(),
+            n_tok * p.n_rot,
+            "attention: rope table size"
+        );
         q.par_chunks_mut(nh * hd)
             .zip(gate.par_chunks_mut(nh * hd))
             .zip(k_new.par_chunks_mut(width))

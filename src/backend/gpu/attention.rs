@@ -2,7 +2,7 @@
 //!
 //! One `attention` call queues four kinds of launch:
 //! 1. `attn_prep`: per (token, head), q/k RMSNorm times their weights and partial NEOX RoPE
-//!    (IMROPE sectors, the (sin, cos) table from `backend::rope_table`); q to a scratch
+//!    (IMROPE sectors, the caller's (sin, cos) table from `backend::rope_table_at`); q to a scratch
 //!    `[rows, n_head*hd]`, k to a scratch `[rows, width]`.
 //! 2. `kv_store` (twice): the k scratch and the raw v rows into the cache at `pos0..`, in the
 //!    cache dtype, as ggml blocks.
@@ -219,6 +219,7 @@ pub fn attention<D: Device>(
     k_norm: &Weight<D>,
     kv: &mut Kv<D>,
     pos0: usize,
+    table: &[f32],
 ) -> Tensor<D> {
     let hd = p.head_dim;
     let rows = qg.rows;
@@ -243,8 +244,8 @@ pub fn attention<D: Device>(
     // 1. q/k norm and RoPE.
     let q = be.new_tensor(rows, p.n_head * hd);
     let kr = be.new_tensor(rows, width);
-    let table = crate::backend::rope_table(pos0, rows, p.n_rot, p.rope_base, p.rope_sections);
-    let rope = be.upload_pooled(bytemuck::cast_slice(&table));
+    assert_eq!(table.len(), rows * p.n_rot, "attention: rope table size");
+    let rope = be.upload_pooled(bytemuck::cast_slice(table));
     dev.launch(
         Kernel::AttnPrep,
         Grid::Linear(rows * (p.n_head + p.n_head_kv)),

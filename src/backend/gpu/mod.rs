@@ -602,8 +602,9 @@ impl<D: Device> Backend for GpuBackend<D> {
         k_norm: &Weight<D>,
         kv: &mut Kv<D>,
         pos0: usize,
+        rope: &[f32],
     ) -> Tensor<D> {
-        attention::attention(self, p, qg, k, v, q_norm, k_norm, kv, pos0)
+        attention::attention(self, p, qg, k, v, q_norm, k_norm, kv, pos0, rope)
     }
 
     fn new_recurrent(&self, p: &GdnParams) -> Recurrent<D> {
