@@ -2,7 +2,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 
 use tern::backend::pick::Picked;
@@ -78,6 +78,16 @@ enum Cmd {
         /// adapters' ids follow the order of --lora, then --lora-scaled.
         #[arg(long, value_delimiter = ',', value_name = "FILE:SCALE")]
         lora_scaled: Vec<tern::config::LoraScaled>,
+        /// Qwen3-VL projector (llama.cpp's mmproj GGUF) for --image.
+        #[arg(long, requires = "image")]
+        mmproj: Option<PathBuf>,
+        /// Image file (PNG, JPEG, WebP, GIF), in place of the prompt's next <__media__>
+        /// marker (repeatable); its tokens get one logits row each, as text does.
+        #[arg(long, requires = "mmproj", requires = "prompt")]
+        image: Vec<PathBuf>,
+        /// Also write the projector's output, float32 [n_image_tokens, n_embd].
+        #[arg(long, requires = "image")]
+        embd_out: Option<PathBuf>,
     },
     /// Generate text from a prompt with the serving engine (the settings of `serve`).
     #[command(args_override_self = true)]
@@ -182,6 +192,9 @@ fn run() -> Result<()> {
             out,
             lora,
             lora_scaled,
+            mmproj,
+            image,
+            embd_out,
         } => {
             let adapters: Vec<tern::config::LoraScaled> = lora
                 .into_iter()
@@ -191,6 +204,31 @@ fn run() -> Result<()> {
             let paths: Vec<PathBuf> = adapters.iter().map(|l| l.path.clone()).collect();
             let scales: Vec<f32> = adapters.iter().map(|l| l.scale).collect();
             let file = open_file(model)?;
+            if let (Some(mmproj), Some(prompt)) = (mmproj, &prompt) {
+                if mode == LogitsMode::Decode {
+                    bail!("--mode decode does not apply with --image: text and image rows run as llama.cpp's chunks");
+                }
+                let tok = Tokenizer::from_gguf(&file)?;
+                let pieces = tern::model::vision::tokenize_with_media(&tok, prompt, image.len())?;
+                let bytes = image
+                    .iter()
+                    .map(|p| std::fs::read(p).with_context(|| format!("reading {}", p.display())))
+                    .collect::<Result<Vec<_>>>()?;
+                let (rows, embd, n_vocab, n_embd) = on_backend!(pick_backend(backend)?, |be| {
+                    let m = tern::plan::boot::load_model(&be, file, &paths)?;
+                    let proj = tern::model::vision::Projector::open(&be, &mmproj, m.cfg.n_embd)?;
+                    let (rows, embd) = media_logits(&be, &m, &proj, &pieces, &bytes, &scales)?;
+                    (rows, embd, m.cfg.n_vocab, m.cfg.n_embd)
+                });
+                let n = rows.len() / n_vocab;
+                tern::npy::write(&out, &rows, &[n, n_vocab])?;
+                eprintln!("wrote {} [{n} x {n_vocab}]", out.display());
+                if let Some(e) = embd_out {
+                    tern::npy::write(&e, &embd, &[embd.len() / n_embd, n_embd])?;
+                    eprintln!("wrote {} [{} x {n_embd}]", e.display(), embd.len() / n_embd);
+                }
+                return Ok(());
+            }
             let tokens = match (tokens, prompt) {
                 (Some(t), _) => t,
                 (None, Some(p)) => Tokenizer::from_gguf(&file)?.encode(&p, true, true)?,
@@ -232,6 +270,37 @@ fn logits_rows<B: Backend>(
     // Non-finite logits are a broken model, not output.
     tern::runtime::sampler::check_logits(&rows, m.cfg.n_vocab)?;
     Ok(rows)
+}
+
+/// Logits at every position of a prompt with images (text rows and image rows alike, in order)
+/// and the projector's output rows of every image.
+fn media_logits<B: Backend>(
+    be: &B,
+    m: &Model<B>,
+    proj: &tern::model::vision::Projector<B>,
+    pieces: &[tern::model::vision::Piece],
+    images: &[Vec<u8>],
+    lora: &[f32],
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    use tern::model::vision::Piece;
+    let mut st = m.new_state(be);
+    st.lora = lora.to_vec();
+    let (mut rows, mut embd) = (Vec::new(), Vec::new());
+    for p in pieces {
+        let out = match p {
+            Piece::Text(t) => m.forward(be, &mut st, t, true)?,
+            Piece::Image(i) => {
+                let img = proj.cfg.prepare(&images[*i])?;
+                let (r, c) = img.grid(&proj.cfg);
+                let e = proj.encode(be, &img);
+                embd.extend(be.to_host(&e));
+                m.forward_image(be, &mut st, &e, r, c, true)?
+            }
+        };
+        rows.extend(be.to_host(&out.logits));
+    }
+    tern::runtime::sampler::check_logits(&rows, m.cfg.n_vocab)?;
+    Ok((rows, embd))
 }
 
 fn inspect(file: Arc<Gguf>, all_tensors: bool) -> Result<()> {

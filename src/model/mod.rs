@@ -2,12 +2,14 @@
 //! forward recipe written once against the backend op trait.
 
 mod config;
+pub mod image;
 pub mod lora;
 mod qwen35;
+pub mod vision;
 pub mod weights;
 
 pub use config::Config;
-pub use qwen35::{BatchItem, MtpState, SeqState};
+pub use qwen35::{BatchItem, ImageRows, MtpState, SeqState};
 
 use std::path::Path;
 use std::sync::Arc;
