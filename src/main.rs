@@ -292,8 +292,18 @@ fn media_logits<B: Backend>(
             Piece::Image(i) => {
                 let img = proj.cfg.prepare(&images[*i])?;
                 let (r, c) = img.grid(&proj.cfg);
+                let t0 = std::time::Instant::now();
                 let e = proj.encode(be, &img);
                 embd.extend(be.to_host(&e));
+                let s = t0.elapsed().as_secs_f64();
+                // As llama-mtmd-cli reports its encode, for the side-by-side figure.
+                eprintln!(
+                    "image {i}: {}x{} px, {r}x{c} tokens, encoded in {:.1} ms ({:.1} tokens/s)",
+                    img.width,
+                    img.height,
+                    s * 1e3,
+                    (r * c) as f64 / s
+                );
                 m.forward_image(be, &mut st, &e, r, c, true)?
             }
         };

@@ -105,10 +105,6 @@ impl Prepared {
         let a = cfg.patch * cfg.merge;
         (self.height / a, self.width / a)
     }
-    pub fn n_tokens(&self, cfg: &VisionConfig) -> usize {
-        let (r, c) = self.grid(cfg);
-        r * c
-    }
 }
 
 struct Layer<W> {
@@ -346,7 +342,12 @@ impl VisionConfig {
                 n_embd,
             });
         }
-        let _ = image_size;
+        if !image_size.is_multiple_of(patch) {
+            return Err(bad(
+                &v("image_size"),
+                format!("{image_size} is not a whole number of {patch}-pixel patches"),
+            ));
+        }
         Ok(cfg)
     }
 
@@ -376,13 +377,6 @@ impl VisionConfig {
             height: th,
             pixels: image::normalize(&fitted, self.mean, self.std),
         })
-    }
-
-    /// The largest image `max_tokens` allows, as the tower sees it: `(patches, merged tokens)`
-    /// (what the planner prices).
-    pub fn worst_case(&self) -> (usize, usize) {
-        let t = self.max_tokens;
-        (t * self.merge * self.merge, t)
     }
 }
 
