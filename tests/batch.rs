@@ -37,6 +37,7 @@ fn batched_equals_separate<B: Backend>(be: &B) {
             .map(|(seq, tokens)| BatchItem {
                 seq,
                 tokens,
+                image: None,
                 all_rows: true,
                 hidden_rows: false,
                 snapshot: false,
@@ -50,6 +51,7 @@ fn batched_equals_separate<B: Backend>(be: &B) {
             .map(|(seq, tokens)| BatchItem {
                 seq,
                 tokens,
+                image: None,
                 all_rows: false,
                 hidden_rows: false,
                 snapshot: false,

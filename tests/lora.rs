@@ -149,6 +149,7 @@ fn per_row_scales<B: Backend>(be: &B) {
         BatchItem {
             seq: &mut a,
             tokens: &ta,
+            image: None,
             all_rows: true,
             hidden_rows: false,
             snapshot: false,
@@ -156,6 +157,7 @@ fn per_row_scales<B: Backend>(be: &B) {
         BatchItem {
             seq: &mut b,
             tokens: &tb,
+            image: None,
             all_rows: true,
             hidden_rows: false,
             snapshot: false,

@@ -107,6 +107,9 @@ impl Prepared {
     }
 }
 
+/// A weight and its bias (or a LayerNorm's weight and bias).
+type Pair<W> = (W, W);
+
 struct Layer<W> {
     ln1: (W, W),
     ln2: (W, W),
@@ -433,14 +436,14 @@ impl<B: Backend> Projector<B> {
                 inverse: None,
             })?)
         };
-        let wb = |name: &str, dims: &[u64], bias: &[u64]| -> Result<(B::W, B::W), VisionError> {
+        let wb = |name: &str, dims: &[u64], bias: &[u64]| -> Result<Pair<B::W>, VisionError> {
             Ok((
                 up(check(&format!("{name}.weight"), dims)?)?,
                 up(check(&format!("{name}.bias"), bias)?)?,
             ))
         };
         let ln = |name: &str| wb(name, &[w], &[w]);
-        let optional_ln = |name: &str| -> Result<Option<(B::W, B::W)>, VisionError> {
+        let optional_ln = |name: &str| -> Result<Option<Pair<B::W>>, VisionError> {
             if file.tensor(&format!("{name}.weight")).is_none() {
                 return Ok(None);
             }

@@ -25,7 +25,7 @@ pub const IMAGE_SIZE: usize = 64;
 pub const MERGE: usize = 2;
 /// Not Qwen's 0.5/0.5: distinct per channel, so a channel mix-up shows.
 pub const MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
-pub const STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_1];
+pub const STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
 
 pub const TEXT_MODEL: &str = "tiny-vl-f32.gguf";
 
