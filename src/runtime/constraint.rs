@@ -590,10 +590,26 @@ pub fn tool_call_lark(tools: &[&Value]) -> Result<String, ConstraintError> {
         let mut body = vec![q(&format!("<tool_call>\n<function={name}>\n"))];
         for (pi, (pname, schema)) in props.into_iter().flatten().enumerate() {
             let rule = format!("t{ti}_p{pi}");
-            let is_string = matches!(schema.get("type"), Some(Value::String(s)) if s == "string")
-                && schema.get("enum").is_none()
-                && schema.get("const").is_none();
-            if is_string {
+            let is_string = matches!(schema.get("type"), Some(Value::String(s)) if s == "string");
+            // The parser takes a string parameter's text verbatim (as llama.cpp's XML tool
+            // format does), so a string enum is its values written raw, not as JSON strings.
+            let choices: Option<Vec<&str>> = match (schema.get("const"), schema.get("enum")) {
+                (Some(c), _) => c.as_str().map(|c| vec![c]),
+                (None, Some(e)) => e
+                    .as_array()
+                    .and_then(|a| a.iter().map(Value::as_str).collect()),
+                (None, None) => None,
+            };
+            let constrained = schema.get("const").is_some() || schema.get("enum").is_some();
+            if let (true, Some(choices)) = (is_string, choices.filter(|c| !c.is_empty())) {
+                let alts: Vec<String> = choices.iter().map(|c| q(c)).collect();
+                rules.push_str(&format!(
+                    "{rule}: {} ({}) {}\n",
+                    q(&format!("<parameter={pname}>\n")),
+                    alts.join(" | "),
+                    q("\n</parameter>\n"),
+                ));
+            } else if is_string && !constrained {
                 // Written verbatim up to the closing tag; `minLength`/`maxLength` bound it.
                 let len = |k: &str| schema.get(k).and_then(Value::as_u64);
                 let body = match (len("minLength"), len("maxLength")) {
@@ -672,5 +688,24 @@ mod tests {
         assert!(g.contains("t0_p0_v[suffix=\"\\n</parameter>\\n\"]: /(?s:.*)/"));
         assert!(g.contains("%json {\"type\":\"integer\",\"x-guidance\":"));
         assert!(g.contains("tool0: \"<tool_call>\\n<function=get_weather>\\n\" t0_p0 t0_p1? "));
+    }
+
+    #[test]
+    fn a_string_enum_is_written_raw() {
+        let t = serde_json::json!({"type": "function", "function": {"name": "w",
+            "parameters": {"type": "object", "properties": {
+                "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                "unit": {"type": "string", "const": "C"},
+                "n": {"enum": [1, 2]}}}}});
+        let g = tool_call_lark(&[&t]).unwrap();
+        assert!(
+            g.contains(
+                "t0_p0: \"<parameter=city>\\n\" (\"Paris\" | \"Oslo\") \"\\n</parameter>\\n\"\n"
+            ),
+            "{g}"
+        );
+        assert!(g.contains("t0_p1: \"<parameter=unit>\\n\" (\"C\") "), "{g}");
+        // Not a string parameter: the parser reads it as JSON, so the grammar writes JSON.
+        assert!(g.contains("t0_p2: \"<parameter=n>\\n\" %json "), "{g}");
     }
 }

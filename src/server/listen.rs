@@ -2,7 +2,8 @@
 //! timeouts, each request carrying the client's address (`ConnectInfo`), and a graceful stop.
 //!
 //! `axum::serve` sets no timer, so a client that never finishes its request head holds its
-//! connection forever. Here the head must arrive within `--header-timeout` (hyper's
+//! connection forever. Here the head must arrive within `--header-timeout` or `--timeout`,
+//! whichever is shorter (hyper's
 //! header-read timer, which also runs while a keep-alive connection sits idle between
 //! requests, so it is the idle timeout too); the body must arrive within `--timeout`
 //! ([`super::Body`]) and each write complete within it (a client that stops reading is

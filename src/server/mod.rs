@@ -671,7 +671,8 @@ pub async fn serve(
     let notify = Arc::new(tokio::sync::Notify::new());
     let n2 = notify.clone();
     let bounds = listen::Bounds {
-        header: opts.header_timeout,
+        // llama-server's `--timeout` is its read timeout, which a slow request head hits too.
+        header: opts.header_timeout.min(state.cfg.timeout),
         write: state.cfg.timeout,
         connections: opts
             .max_connections
