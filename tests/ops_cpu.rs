@@ -690,6 +690,14 @@ fn vision_row_ops() {
     }
 }
 
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
 /// sha256 of ggml-cpu's `ggml_table_gelu_f16` (65536 little-endian u16), as stock llama.cpp
 /// (the vendored build in /work/llama/build) fills it in `ggml_cpu_init`: read back through
 /// ctypes (`ggml_cpu_init()`, then `(c_uint16 * 65536).in_dll(libggml-cpu, "ggml_table_gelu_f16")`).
@@ -702,13 +710,9 @@ const GGML_GELU_TABLE_SHA256: &str =
 #[test]
 fn gelu() {
     use common::vision::gelu_tanh;
-    use sha2::{Digest, Sha256};
     let table = tern::backend::gelu_f16_table();
     let bytes: Vec<u8> = table.iter().flat_map(|h| h.to_le_bytes()).collect();
-    let hash: String = Sha256::digest(&bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let hash = sha256_hex(&bytes);
     assert_eq!(
         hash, GGML_GELU_TABLE_SHA256,
         "gelu table differs from ggml's"
@@ -785,14 +789,10 @@ const GGML_VISION_ROPE_SHA256: [(usize, usize, usize, &str); 4] = [
 #[test]
 fn vision_rope_table() {
     use common::vision::rope_angles;
-    use sha2::{Digest, Sha256};
     for (rows, cols, hd, want) in GGML_VISION_ROPE_SHA256 {
         let t = tern::backend::vision_rope_table(rows, cols, hd, 10000.0);
         let bytes: Vec<u8> = t.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let hash: String = Sha256::digest(&bytes)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect();
+        let hash = sha256_hex(&bytes);
         assert_eq!(
             hash, want,
             "vision rope {rows}x{cols} hd {hd} differs from ggml's"

@@ -424,6 +424,26 @@ pub fn rope_table_at(pos: &[[u32; 4]], n_rot: usize, base: f32, sections: [i32; 
     out
 }
 
+/// The shapes `Backend::vision_attention` takes, checked once for every backend: `qkv` is
+/// `[n, 3 * n_head * hd]`, `hd` even (NEOX pairs), `rope` a (sin, cos) per row and pair.
+pub fn check_vision_attention(qkv_cols: usize, n: usize, n_head: usize, hd: usize, rope: usize) {
+    assert_eq!(
+        qkv_cols,
+        3 * n_head * hd,
+        "vision_attention: qkv has {qkv_cols} columns, not 3 x {n_head} heads x {hd}"
+    );
+    assert!(
+        hd > 0 && hd.is_multiple_of(2),
+        "vision_attention: head_dim {hd} is not even (NEOX pairs)"
+    );
+    assert_eq!(
+        rope,
+        n * hd,
+        "vision_attention: the rope table has {rope} values, not (sin, cos) for {n} x {} pairs",
+        hd / 2
+    );
+}
+
 /// `(sin θ, cos θ)` for every (patch, rotated pair `j < head_dim/2`) of the vision tower's
 /// 2-D rotary (model-vision.md §3), as ggml's `GGML_ROPE_TYPE_VISION` rope computes them
 /// (`ggml_mrope_cache_init` with independent sections, `clip.cpp`'s positions). Patches come

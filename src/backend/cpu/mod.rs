@@ -811,23 +811,7 @@ impl Backend for CpuBackend {
 
     fn vision_attention(&self, qkv: &Tensor, n_head: usize, hd: usize, rope: &[f32]) -> Tensor {
         let (n, width) = (qkv.rows, n_head * hd);
-        assert_eq!(
-            qkv.cols,
-            3 * width,
-            "vision_attention: qkv has {} columns, not 3 x {n_head} heads x {hd}",
-            qkv.cols
-        );
-        assert!(
-            hd > 0 && hd.is_multiple_of(2),
-            "vision_attention: head_dim {hd} is not even (NEOX pairs)"
-        );
-        assert_eq!(
-            rope.len(),
-            n * hd,
-            "vision_attention: the rope table has {} values, not (sin, cos) for {n} x {} pairs",
-            rope.len(),
-            hd / 2
-        );
+        super::check_vision_attention(qkv.cols, n, n_head, hd, rope.len());
         // q and k rotated, `[n][n_head * hd]` each.
         let mut q = vec![0f32; n * width];
         let mut k = vec![0f32; n * width];

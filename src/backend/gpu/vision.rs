@@ -93,26 +93,10 @@ pub fn vision_attention<D: Device>(
 ) -> Tensor<D> {
     let n = qkv.rows;
     let width = n_head * hd;
-    assert_eq!(
-        qkv.cols,
-        3 * width,
-        "vision_attention: qkv has {} columns, not 3 x {n_head} heads x {hd}",
-        qkv.cols
-    );
-    assert!(
-        hd > 0 && hd.is_multiple_of(2),
-        "vision_attention: head_dim {hd} is not even (NEOX pairs)"
-    );
+    crate::backend::check_vision_attention(qkv.cols, n, n_head, hd, rope.len());
     assert!(
         hd <= MAX_Q as usize,
         "vision_attention: head_dim {hd} is over the kernel's {MAX_Q}"
-    );
-    assert_eq!(
-        rope.len(),
-        n * hd,
-        "vision_attention: the rope table has {} values, not (sin, cos) for {n} x {} pairs",
-        rope.len(),
-        hd / 2
     );
     let out = be.new_tensor(n, width);
     if n == 0 || n_head == 0 {
