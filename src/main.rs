@@ -215,7 +215,7 @@ fn run() -> Result<()> {
                     .map(|p| std::fs::read(p).with_context(|| format!("reading {}", p.display())))
                     .collect::<Result<Vec<_>>>()?;
                 let (rows, embd, n_vocab, n_embd) = on_backend!(pick_backend(backend)?, |be| {
-                    let m = tern::plan::boot::load_model(&be, file, &paths)?;
+                    let m = tern::plan::boot::load_model(&be, file, &paths, false)?;
                     let proj = tern::model::vision::Projector::open(&be, &mmproj, m.cfg.n_embd)?;
                     let (rows, embd) = media_logits(&be, &m, &proj, &pieces, &bytes, &scales)?;
                     (rows, embd, m.cfg.n_vocab, m.cfg.n_embd)
@@ -238,7 +238,7 @@ fn run() -> Result<()> {
                 bail!("no tokens to evaluate");
             }
             let (rows, n_vocab) = on_backend!(pick_backend(backend)?, |be| {
-                let m = tern::plan::boot::load_model(&be, file, &paths)?;
+                let m = tern::plan::boot::load_model(&be, file, &paths, false)?;
                 (logits_rows(&be, &m, &tokens, mode, &scales)?, m.cfg.n_vocab)
             });
             tern::npy::write(&out, &rows, &[tokens.len(), n_vocab])?;

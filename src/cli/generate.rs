@@ -124,7 +124,7 @@ where
     let name = be.name();
     boot::read_with_progress(&file);
     let paths: Vec<_> = job.adapters.iter().map(|l| l.path.clone()).collect();
-    let m = boot::load_model(&be, file, &paths)?;
+    let m = boot::load_model(&be, file, &paths, cfg.spec.is_some())?;
     let ids = tok.encode(job.prompt, true, true)?;
     if ids.is_empty() {
         bail!("the prompt tokenizes to nothing");

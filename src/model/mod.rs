@@ -70,6 +70,20 @@ pub struct Model<B: Backend> {
     pub adapters: Vec<lora::Adapter<B::W>>,
 }
 
+/// Token ids an MTP draft step scores (FR-Spec): the full vocabulary below 4 × this.
+pub const DRAFT_VOCAB: usize = 32768;
+
+/// The draft vocabulary a model of `n_vocab` tokens loads when `drafting`: the first
+/// [`DRAFT_VOCAB`] ids when the vocabulary is at least 4 times larger (Qwen3.5's 248,320:
+/// a draft step then reads 13% of the head), else none (the full head). 0 means none.
+pub fn draft_vocab(n_vocab: usize, drafting: bool) -> usize {
+    if drafting && n_vocab >= 4 * DRAFT_VOCAB {
+        DRAFT_VOCAB
+    } else {
+        0
+    }
+}
+
 /// What one forward call returns: a logits row and the `h_nextn` row (post-`output_norm`
 /// hidden, the MTP head's input) per token asked for.
 pub struct Output<T> {
@@ -84,9 +98,19 @@ impl<B: Backend> Model<B> {
     }
 
     pub fn load(be: &B, file: Arc<Gguf>) -> Result<Model<B>, ModelError> {
+        Self::load_with_draft(be, file, 0)
+    }
+
+    /// [`Model::load`], and with `draft_vocab` > 0 the MTP head's first `draft_vocab` rows
+    /// for drafting ([`draft_vocab`] is the rule serving uses).
+    pub fn load_with_draft(
+        be: &B,
+        file: Arc<Gguf>,
+        draft_vocab: usize,
+    ) -> Result<Model<B>, ModelError> {
         let mut cfg = Config::from_gguf(&file)?;
         let hadamard = HadamardConfig::from_gguf(&file)?.map(Arc::new);
-        let w = Weights::load(be, &file, &cfg, hadamard.as_ref())?;
+        let w = Weights::load(be, &file, &cfg, hadamard.as_ref(), draft_vocab)?;
         if w.mtp.is_none() {
             cfg.n_nextn = 0;
         }

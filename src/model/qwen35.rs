@@ -497,6 +497,37 @@ impl<B: Backend> Model<B> {
         Ok(Output { logits, h })
     }
 
+    /// [`Model::mtp_forward`] for drafting: with a reduced draft head loaded
+    /// ([`super::draft_vocab`]) the logits cover token ids `0..n` only, which a draft needs
+    /// (the trunk verifies it); the full head when an adapter changes the head, whose rows the
+    /// reduced one does not carry.
+    pub fn mtp_draft(
+        &self,
+        be: &B,
+        st: &mut MtpState<B>,
+        tokens: &[u32],
+        h_prev: &B::T,
+    ) -> Result<Output<B::T>, ModelError> {
+        let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
+        let site = if mtp.head.is_some() {
+            Site::MtpHead
+        } else {
+            Site::Output
+        };
+        let adapted = self.adapters.iter().any(|a| a.get(site).is_some());
+        let Some(d) = mtp.draft_head.as_ref().filter(|_| !adapted) else {
+            return self.mtp_forward(be, st, tokens, h_prev);
+        };
+        let c = self.mtp_block(be, st, tokens, h_prev)?;
+        let h = be.rms_norm(
+            &c,
+            mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),
+            self.cfg.eps,
+        );
+        let logits = be.matmul(&d.w, &h);
+        Ok(Output { logits, h })
+    }
+
     /// The MTP block over `tokens` for its cache alone (prompt rows and accepted rows): the
     /// head's logits, a `[rows, n_vocab]` product nobody reads there, are not computed.
     pub fn mtp_fill(

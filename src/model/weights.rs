@@ -20,7 +20,7 @@ pub(super) fn validate_table(g: &Gguf, cfg: &Config) -> Result<(), ModelError> {
     let had = HadamardConfig::from_gguf(g)?.map(Arc::new);
     let view = Arc::new(g.table_view());
     let seen = Validator::default();
-    Weights::load(&seen, &view, cfg, had.as_ref())?;
+    Weights::load(&seen, &view, cfg, had.as_ref(), 0)?;
     let seen = seen.names.into_inner().unwrap_or_else(|p| p.into_inner());
     if let Some(t) = g.tensors().iter().find(|t| !seen.contains(&t.name)) {
         return Err(ModelError::BadTensor {
@@ -130,6 +130,17 @@ pub struct MtpWeights<W> {
     pub embed: Option<W>,
     /// `nextn.shared_head_head`, else the trunk's output.
     pub head: Option<W>,
+    /// The first rows of the head the MTP block uses, for drafting only (FR-Spec's reduced
+    /// draft vocabulary, [`super::draft_vocab`]): loaded when drafting on a large vocabulary.
+    pub draft_head: Option<DraftHead<W>>,
+}
+
+/// The head's rows for token ids `0..n_vocab`. BPE ids follow merge order, so the low ids
+/// are the tokenizer's most frequent tokens; a draft need not be exact (the trunk verifies
+/// it), and a step over these rows reads a fraction of the full head.
+pub struct DraftHead<W> {
+    pub w: W,
+    pub n_vocab: usize,
 }
 
 pub struct Weights<W> {
@@ -262,6 +273,24 @@ impl<B: Uploader> Loader<'_, B> {
         self.upload(src)
     }
 
+    /// The first `n` rows of the output head `name` (a prefix of its data: rows are stored
+    /// whole, and the fold acts on the input width), with the head's transform.
+    fn head_rows(&mut self, name: &str, n: usize) -> Result<B::W, ModelError> {
+        let (e, v) = (self.cfg.n_embd, self.cfg.n_vocab);
+        let mut src = self.source(name, &[e, v])?;
+        src.info.nbytes = src.info.nbytes / v as u64 * n as u64;
+        src.info.dims[1] = n as u64;
+        if let Some(h) = self.had {
+            if h.is_folded(name) || h.is_inverse(name) {
+                src.fold = Some(Fold {
+                    hadamard: h.clone(),
+                    perm: None,
+                });
+            }
+        }
+        self.upload(src)
+    }
+
     fn layer(&mut self, il: usize, recurrent: bool) -> Result<Layer<B::W>, ModelError> {
         let c = self.cfg;
         let (e, hd) = (c.n_embd, c.head_dim);
@@ -354,16 +383,21 @@ impl<W> Weights<W> {
             for w in [&m.head_norm, &m.embed, &m.head].into_iter().flatten() {
                 f(w);
             }
+            if let Some(d) = &m.draft_head {
+                f(&d.w);
+            }
         }
     }
 
     /// Walks the tensor table and hands every weight to `be`: a backend uploads it, the
     /// planner prices it (the same walk, so the plan and the allocation cannot drift).
+    /// `draft_vocab` > 0 also loads the MTP head's first `draft_vocab` rows ([`DraftHead`]).
     pub fn load<B: Uploader<W = W>>(
         be: &B,
         file: &Arc<Gguf>,
         cfg: &Config,
         had: Option<&Arc<HadamardConfig>>,
+        draft_vocab: usize,
     ) -> Result<Weights<W>, ModelError> {
         let mut l = Loader {
             be,
@@ -395,6 +429,13 @@ impl<W> Weights<W> {
             let il = cfg.n_layer;
             let n = |s: &str| format!("blk.{il}.nextn.{s}");
             let e = cfg.n_embd;
+            let head_name = if file.tensor(&n("shared_head_head.weight")).is_some() {
+                n("shared_head_head.weight")
+            } else if cfg.tied_output {
+                "token_embd.weight".to_string()
+            } else {
+                "output.weight".to_string()
+            };
             Some(MtpWeights {
                 enorm: l.vec(&n("enorm.weight"), e)?,
                 hnorm: l.vec(&n("hnorm.weight"), e)?,
@@ -406,6 +447,14 @@ impl<W> Weights<W> {
                     let v = cfg.n_vocab;
                     l.mat(n, e, v)
                 })?,
+                draft_head: if draft_vocab > 0 && draft_vocab < cfg.n_vocab {
+                    Some(DraftHead {
+                        w: l.head_rows(&head_name, draft_vocab)?,
+                        n_vocab: draft_vocab,
+                    })
+                } else {
+                    None
+                },
             })
         } else {
             None

@@ -428,13 +428,17 @@ pub fn read_with_progress(file: &Gguf) {
     pb.finish_and_clear();
 }
 
-/// The model with its LoRA adapters, in id order (the planner has checked each already).
+/// The model with its LoRA adapters, in id order (the planner has checked each already), and
+/// the reduced draft head when `drafting` (priced by the planner alike).
 pub fn load_model<B: crate::backend::Backend>(
     be: &B,
     file: Arc<Gguf>,
     adapters: &[PathBuf],
+    drafting: bool,
 ) -> Result<crate::model::Model<B>, crate::model::ModelError> {
-    let mut m = crate::model::Model::load(be, file)?;
+    let n_vocab = crate::model::Config::from_gguf(&file)?.n_vocab;
+    let draft = crate::model::draft_vocab(n_vocab, drafting);
+    let mut m = crate::model::Model::load_with_draft(be, file, draft)?;
     for a in adapters {
         m.add_adapter(be, a)?;
     }

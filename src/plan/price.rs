@@ -140,7 +140,7 @@ impl Ledger {
             }
         }
         let geometry = geometry(g, cfg);
-        let mut lines = vec![weights(g, cfg, shape.backend)?];
+        let mut lines = vec![weights(g, cfg, shape.backend, shape.drafting())?];
         lines.push(kv(&geometry, shape)?);
         if shape.drafting() {
             lines.push(draft_kv(&geometry, shape)?);
@@ -284,23 +284,31 @@ fn weight_rule(backend: BackendKind) -> fn(&WeightSource) -> WeightBytes {
 }
 
 /// The weights the loader takes for `backend`, walking the tensor table as loading does (a
-/// tied output is priced twice on a GPU, where it is uploaded twice).
+/// tied output is priced twice on a GPU, where it is uploaded twice; the reduced draft head,
+/// loaded when `drafting`, is priced as its own upload).
 pub fn weight_tally(
     g: &Arc<Gguf>,
     cfg: &Config,
     backend: BackendKind,
+    drafting: bool,
 ) -> Result<WeightTally, PlanError> {
     let had = HadamardConfig::from_gguf(g)
         .map_err(crate::model::ModelError::from)?
         .map(Arc::new);
-    let priced = Weights::load(&Pricer(weight_rule(backend)), g, cfg, had.as_ref())?;
+    let draft = crate::model::draft_vocab(cfg.n_vocab, drafting);
+    let priced = Weights::load(&Pricer(weight_rule(backend)), g, cfg, had.as_ref(), draft)?;
     let mut t = WeightTally::default();
     priced.each(|b| t.add(b.clone()));
     Ok(t)
 }
 
-fn weights(g: &Arc<Gguf>, cfg: &Config, backend: BackendKind) -> Result<Line, PlanError> {
-    let t = weight_tally(g, cfg, backend)?;
+fn weights(
+    g: &Arc<Gguf>,
+    cfg: &Config,
+    backend: BackendKind,
+    drafting: bool,
+) -> Result<Line, PlanError> {
+    let t = weight_tally(g, cfg, backend, drafting)?;
     let mut by_type: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
     for t in g.tensors() {
         let e = by_type.entry(t.ty.name()).or_default();

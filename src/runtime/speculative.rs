@@ -276,7 +276,7 @@ impl<B: Backend> SlotDecoder<B> {
         let mut h = be.rows(&m.pending_h, 0, 1);
         let mut drafts = Vec::new();
         for _ in 0..spec.n_max.min(limit) {
-            let out = model.mtp_forward(be, &mut m.state, &[tok], &h)?;
+            let out = model.mtp_draft(be, &mut m.state, &[tok], &h)?;
             // Only a p_min test needs the row on the host; otherwise read back the id alone.
             let d = if spec.p_min > 0.0 {
                 let logits = be.to_host(&out.logits);

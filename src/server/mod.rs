@@ -226,7 +226,7 @@ where
     B::W: 'static,
 {
     boot::read_with_progress(&file);
-    let m = boot::load_model(&be, file, adapters)?;
+    let m = boot::load_model(&be, file, adapters, cfg.spec.is_some())?;
     Ok(Engine::start_with(m, be, tok, cfg, threads)?)
 }
 
