@@ -69,6 +69,10 @@ enum Cmd {
         backend: BackendName,
         #[arg(long, value_enum, default_value = "prefill")]
         mode: LogitsMode,
+        /// The CPU backend's f32 reference matmuls (default true; false runs the serving
+        /// path's int8 activations, as `generate` and `serve` do).
+        #[arg(long, default_value_t = true, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, value_name = "BOOL")]
+        cpu_exact: bool,
         #[arg(long, short = 'o')]
         out: PathBuf,
         /// LoRA adapter at scale 1 (repeatable or comma-separated).
@@ -139,14 +143,14 @@ macro_rules! on_backend {
     };
 }
 
-fn pick_backend(name: BackendName) -> Result<Picked> {
+fn pick_backend(name: BackendName, cpu_exact: bool) -> Result<Picked> {
     let name = match name {
         BackendName::Auto => "auto",
         BackendName::Cpu => "cpu",
         BackendName::Wgpu => "wgpu",
         BackendName::Cuda => "cuda",
     };
-    Ok(tern::backend::pick::pick(name)?)
+    Ok(tern::backend::pick::pick_serving(name, cpu_exact)?)
 }
 
 #[global_allocator]
@@ -189,6 +193,7 @@ fn run() -> Result<()> {
             prompt,
             backend,
             mode,
+            cpu_exact,
             out,
             lora,
             lora_scaled,
@@ -214,12 +219,14 @@ fn run() -> Result<()> {
                     .iter()
                     .map(|p| std::fs::read(p).with_context(|| format!("reading {}", p.display())))
                     .collect::<Result<Vec<_>>>()?;
-                let (rows, embd, n_vocab, n_embd) = on_backend!(pick_backend(backend)?, |be| {
-                    let m = tern::plan::boot::load_model(&be, file, &paths, false)?;
-                    let proj = tern::model::vision::Projector::open(&be, &mmproj, m.cfg.n_embd)?;
-                    let (rows, embd) = media_logits(&be, &m, &proj, &pieces, &bytes, &scales)?;
-                    (rows, embd, m.cfg.n_vocab, m.cfg.n_embd)
-                });
+                let (rows, embd, n_vocab, n_embd) =
+                    on_backend!(pick_backend(backend, cpu_exact)?, |be| {
+                        let m = tern::plan::boot::load_model(&be, file, &paths, false)?;
+                        let proj =
+                            tern::model::vision::Projector::open(&be, &mmproj, m.cfg.n_embd)?;
+                        let (rows, embd) = media_logits(&be, &m, &proj, &pieces, &bytes, &scales)?;
+                        (rows, embd, m.cfg.n_vocab, m.cfg.n_embd)
+                    });
                 let n = rows.len() / n_vocab;
                 tern::npy::write(&out, &rows, &[n, n_vocab])?;
                 eprintln!("wrote {} [{n} x {n_vocab}]", out.display());
@@ -237,7 +244,7 @@ fn run() -> Result<()> {
             if tokens.is_empty() {
                 bail!("no tokens to evaluate");
             }
-            let (rows, n_vocab) = on_backend!(pick_backend(backend)?, |be| {
+            let (rows, n_vocab) = on_backend!(pick_backend(backend, cpu_exact)?, |be| {
                 let m = tern::plan::boot::load_model(&be, file, &paths, false)?;
                 (logits_rows(&be, &m, &tokens, mode, &scales)?, m.cfg.n_vocab)
             });

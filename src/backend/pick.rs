@@ -60,10 +60,31 @@ pub fn device_memory(name: &str) -> Option<Result<(u64, u64), BackendError>> {
 
 /// `cpu`, `wgpu`, `cuda` or `auto`. `auto` takes cuda when built in and a device is present,
 /// else wgpu when a hardware adapter exists, and says why it passed over each; an explicit
-/// backend that cannot start is an error naming the reason.
+/// backend that cannot start is an error naming the reason. The CPU backend is the f32
+/// reference (`tern logits`, perplexity, KLD); the serving commands use [`pick_serving`].
 pub fn pick(name: &str) -> Result<Picked, BackendError> {
+    pick_with(name, true)
+}
+
+/// [`pick`] for `generate` and `serve`: the CPU backend runs int8 activations unless
+/// `cpu_exact` (`--cpu-exact`).
+pub fn pick_serving(name: &str, cpu_exact: bool) -> Result<Picked, BackendError> {
+    pick_with(name, cpu_exact)
+}
+
+fn pick_with(name: &str, cpu_exact: bool) -> Result<Picked, BackendError> {
+    let cpu = || {
+        let be = CpuBackend::with_exact(cpu_exact);
+        let how = if cpu_exact {
+            "f32 activations (--cpu-exact)"
+        } else {
+            "int8 activations on quantized weights"
+        };
+        tracing::debug!(target: "tern::backend", "cpu matmuls: {how}");
+        be
+    };
     match name {
-        "cpu" => Ok(Picked::Cpu(CpuBackend::new())),
+        "cpu" => Ok(Picked::Cpu(cpu())),
         "wgpu" => {
             let be = WgpuBackend::new()?;
             tracing::info!(target: "tern::backend", "{}", be.dev.describe());
@@ -94,7 +115,7 @@ pub fn pick(name: &str) -> Result<Picked, BackendError> {
                         "backend: cpu (auto: the only wgpu adapter, {:?}, is a software renderer; --backend wgpu forces it)",
                         be.dev.info.name
                     );
-                    Ok(Picked::Cpu(CpuBackend::new()))
+                    Ok(Picked::Cpu(cpu()))
                 }
                 Ok(be) => {
                     tracing::info!(target: "tern::backend", "backend: wgpu (auto); {}", be.dev.describe());
@@ -102,7 +123,7 @@ pub fn pick(name: &str) -> Result<Picked, BackendError> {
                 }
                 Err(e) => {
                     tracing::info!(target: "tern::backend", "backend: cpu (auto: {e})");
-                    Ok(Picked::Cpu(CpuBackend::new()))
+                    Ok(Picked::Cpu(cpu()))
                 }
             }
         }

@@ -58,7 +58,7 @@ pub fn run(args: &GenerateArgs, given: Rewritten) -> Result<()> {
         seed: fixed.unwrap_or_else(crate::server::request::random_seed),
         ..sampler
     };
-    let picked = crate::backend::pick::pick(s.backend_kind().name())?;
+    let picked = crate::backend::pick::pick_serving(s.backend_kind().name(), s.cpu_exact())?;
     let mut shape = s.shape();
     shape.ctx_size = boot::settle_pool(
         s.ctx_size.or(s

@@ -554,6 +554,11 @@ pub struct Settings {
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend: Option<BackendKind>,
+    /// The CPU backend's f32 reference matmuls (default false: int8 activations against
+    /// quantized weights, as llama.cpp; `tern logits` always takes the reference).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_exact: Option<bool>,
     /// The device memory budget in MiB (the driver's free figure); required for wgpu until tern
     /// queries it.
     #[arg(long)]
@@ -986,6 +991,11 @@ impl Settings {
         }
     }
 
+    /// Whether the CPU backend runs its f32 reference matmuls (`--cpu-exact`).
+    pub fn cpu_exact(&self) -> bool {
+        self.cpu_exact.unwrap_or(false)
+    }
+
     /// The backend: `--backend`, or the CPU for `-ngl 0`, or auto.
     pub fn backend_kind(&self) -> BackendKind {
         match (self.backend, self.n_gpu_layers) {
@@ -1389,6 +1399,7 @@ pub fn default_of(key: &str) -> &'static str {
         "log-format" => "text",
         "log-colors" => "auto",
         "backend" => "auto",
+        "cpu-exact" => "false (int8 activations on quantized weights)",
         "margin-mib" => "1024",
         "max-body-mb" => "32",
         "drain-timeout" => "30",

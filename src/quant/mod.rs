@@ -6,12 +6,15 @@
 
 mod fp;
 pub mod hadamard;
+pub mod int8;
 mod pq2_0;
 mod ptq1_0;
 mod q4_0;
 mod q8_0;
 #[cfg(target_arch = "x86_64")]
 mod x86;
+#[cfg(target_arch = "x86_64")]
+mod x86_int8;
 
 #[cfg(test)]
 mod tests;

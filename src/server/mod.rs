@@ -521,7 +521,7 @@ pub fn prepare(settings: Settings) -> Result<Prepared> {
             .with_context(|| format!("the tokenizer of {}", model.path))?,
     );
     let template = chat_template(&s, &model.file)?;
-    let picked = crate::backend::pick::pick(s.backend_kind().name())?;
+    let picked = crate::backend::pick::pick_serving(s.backend_kind().name(), s.cpu_exact())?;
     let shape = settled_shape(&s, mcfg.context_length as u64, picked_kind(&picked))?;
     let ledger = boot::plan(&model.file, &shape, s.device_mib, &model.path)?;
     let ecfg = boot::engine_config(&shape, &s);

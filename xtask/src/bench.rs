@@ -20,8 +20,12 @@ pub struct Options {
     pub runs: usize,
     pub llama: bool,
     pub python: String,
-    /// Backends to measure: "cpu", "wgpu", "cuda".
+    /// Backends to measure: "cpu" (the serving path, int8 activations), "cpu-exact" (the f32
+    /// reference), "wgpu", "cuda".
     pub backends: Vec<String>,
+    /// Rounds of every measurement, tern and llama.cpp taking turns in each; the table gives
+    /// the median over rounds (a shared machine's load comes and goes).
+    pub rounds: usize,
 }
 
 /// Bytes of weights one decoded token reads: every matrix of the trunk once (the embedding
@@ -61,7 +65,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn bench_tern<B: Backend>(be: &B, path: &Path, o: &Options) -> Result<Value> {
+fn bench_tern<B: Backend>(be: &B, label: &str, path: &Path, o: &Options) -> Result<Value> {
     let m = Model::open(be, path).with_context(|| format!("loading {}", path.display()))?;
     let p = prompt(o.prompt_tokens);
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
@@ -85,7 +89,7 @@ fn bench_tern<B: Backend>(be: &B, path: &Path, o: &Options) -> Result<Value> {
     let decode_tps = median(dec);
     Ok(json!({
         "engine": "tern",
-        "backend": be.name(),
+        "backend": label,
         "threads": rayon::current_num_threads(),
         "prefill_tokens": o.prompt_tokens,
         "prefill_tps": median(pre),
@@ -94,6 +98,114 @@ fn bench_tern<B: Backend>(be: &B, path: &Path, o: &Options) -> Result<Value> {
         "weight_bytes": weight_bytes,
         "streamed_bytes_per_token": streamed,
         // Weights read per second while decoding (KV and activations not counted).
+        "decode_weight_gbps": streamed as f64 * decode_tps / 1e9,
+    }))
+}
+
+/// The backends `cargo xtask bench` measures, opened once.
+struct Backends {
+    cpu: Option<CpuBackend>,
+    cpu_exact: Option<CpuBackend>,
+    gpu: Option<tern::backend::wgpu::WgpuBackend>,
+    #[cfg(feature = "cuda")]
+    cuda: Option<(tern::backend::cuda::CudaBackend, f64)>,
+}
+
+/// One round of tern on `f`, every backend asked for.
+fn bench_tern_backends(b: &Backends, f: &Path, o: &Options) -> Result<Vec<Value>> {
+    let mut t = Vec::new();
+    if let Some(cpu) = &b.cpu {
+        eprintln!("tern cpu on {} ...", f.display());
+        t.push(bench_tern(cpu, "cpu", f, o)?);
+    }
+    if let Some(cpu) = &b.cpu_exact {
+        eprintln!("tern cpu-exact on {} ...", f.display());
+        t.push(bench_tern(cpu, "cpu-exact", f, o)?);
+    }
+    if let Some(g) = &b.gpu {
+        eprintln!("tern wgpu on {} ...", f.display());
+        let mut r = bench_tern(g, "wgpu", f, o)?;
+        r["adapter"] = json!(g.dev.info.name);
+        t.push(r);
+    }
+    #[cfg(feature = "cuda")]
+    if let Some((c, copy_gbps)) = &b.cuda {
+        eprintln!("tern cuda on {} ...", f.display());
+        let mut r = bench_tern(c, "cuda", f, o)?;
+        r["device"] = json!(c.dev.name);
+        r["copy_gbps"] = json!(copy_gbps);
+        r["decode_fraction_of_copy"] =
+            json!(r["decode_weight_gbps"].as_f64().unwrap_or(0.0) / copy_gbps);
+        t.push(r);
+    }
+    Ok(t)
+}
+
+/// One result of several rounds: the first round's fields with the median rates, and every
+/// round's rates beside them.
+fn median_rounds(rounds: Vec<Value>) -> Value {
+    let mut out = rounds[0].clone();
+    for key in ["prefill_tps", "decode_tps", "decode_weight_gbps"] {
+        let v: Vec<f64> = rounds.iter().filter_map(|r| r[key].as_f64()).collect();
+        if v.len() == rounds.len() {
+            out[key] = json!(median(v.clone()));
+            out[format!("{key}_rounds")] = json!(v);
+        }
+    }
+    out
+}
+
+/// `/proc/loadavg`'s three figures, for the log of a shared machine.
+fn load_average() -> String {
+    let l = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let f: Vec<&str> = l.split_whitespace().take(3).collect();
+    format!("load average {}", f.join(" "))
+}
+
+/// Stock llama.cpp's own `llama-bench` (`exe`) on `path`: pp of the prompt and tg of the decoded
+/// tokens, `o.runs` repetitions each, 2 threads (its median-free report gives the mean).
+fn bench_llama_bench(exe: &Path, path: &Path, o: &Options) -> Result<Value> {
+    let out = Command::new(exe)
+        .arg("-m")
+        .arg(path)
+        .args(["-p", &o.prompt_tokens.to_string()])
+        .args(["-n", &o.decode_tokens.to_string()])
+        .args(["-t", "2", "-r", &o.runs.to_string(), "-o", "json"])
+        .output()
+        .with_context(|| format!("running {} (TERN_LLAMA_BENCH)", exe.display()))?;
+    if !out.status.success() {
+        bail!(
+            "llama-bench failed on {}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let tests: Vec<Value> = serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("llama-bench's JSON on {}", path.display()))?;
+    let rate = |prompt: bool| -> Result<f64> {
+        tests
+            .iter()
+            .find(|t| (t["n_gen"].as_u64() == Some(0)) == prompt)
+            .and_then(|t| t["avg_ts"].as_f64())
+            .with_context(|| {
+                format!(
+                    "llama-bench on {} reported no {} test",
+                    path.display(),
+                    if prompt { "pp" } else { "tg" }
+                )
+            })
+    };
+    let decode_tps = rate(false)?;
+    let g = tern::gguf::Gguf::open(path)?;
+    let streamed = streamed_bytes(&g);
+    Ok(json!({
+        "engine": "llama-bench",
+        "build": tests.first().map(|t| t["build_commit"].clone()),
+        "threads": 2,
+        "prefill_tokens": o.prompt_tokens,
+        "prefill_tps": rate(true)?,
+        "decode_tokens": o.decode_tokens,
+        "decode_tps": decode_tps,
         "decode_weight_gbps": streamed as f64 * decode_tps / 1e9,
     }))
 }
@@ -126,33 +238,38 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     if o.files.is_empty() {
         bail!("no bench files: run `cargo xtask fixtures --bench` first");
     }
-    let cpu = CpuBackend::new();
-    let gpu = if o.backends.iter().any(|b| b == "wgpu") {
-        let g = tern::backend::wgpu::WgpuBackend::new()?;
-        eprintln!("{}", g.dev.describe());
-        Some(g)
-    } else {
-        None
-    };
-    #[cfg(feature = "cuda")]
-    let cuda = if o.backends.iter().any(|b| b == "cuda") {
-        let c = tern::backend::cuda::CudaBackend::new()?;
-        eprintln!("{}", c.dev.describe());
-        // The roofline of a decode step: what the device copies per second, read plus write,
-        // measured now (1 GiB moved per repetition).
-        let copy_gbps = c.dev.copy_bandwidth(512 << 20, 20);
-        eprintln!("cuda device-to-device copy: {copy_gbps:.1} GB/s");
-        Some((c, copy_gbps))
-    } else {
-        None
+    let want = |b: &str| o.backends.iter().any(|x| x == b);
+    let backends = Backends {
+        cpu: want("cpu").then(CpuBackend::int8),
+        cpu_exact: want("cpu-exact").then(CpuBackend::new),
+        gpu: if want("wgpu") {
+            let g = tern::backend::wgpu::WgpuBackend::new()?;
+            eprintln!("{}", g.dev.describe());
+            Some(g)
+        } else {
+            None
+        },
+        #[cfg(feature = "cuda")]
+        cuda: if want("cuda") {
+            let c = tern::backend::cuda::CudaBackend::new()?;
+            eprintln!("{}", c.dev.describe());
+            // The roofline of a decode step: what the device copies per second, read plus
+            // write, measured now (1 GiB moved per repetition).
+            let copy_gbps = c.dev.copy_bandwidth(512 << 20, 20);
+            eprintln!("cuda device-to-device copy: {copy_gbps:.1} GB/s");
+            Some((c, copy_gbps))
+        } else {
+            None
+        },
     };
     #[cfg(not(feature = "cuda"))]
-    if o.backends.iter().any(|b| b == "cuda") {
+    if want("cuda") {
         bail!(
             "this xtask was built without CUDA: run `cargo run --release -p xtask --features cuda -- bench --backend cuda ...`"
         );
     }
     let script = root.join("xtask/py/bench_llama.py");
+    let llama_bench = std::env::var_os("TERN_LLAMA_BENCH").map(PathBuf::from);
     let mut rows = Vec::new();
     for f in &o.files {
         if !f.exists() {
@@ -160,27 +277,6 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 "{} is missing: run `cargo xtask fixtures --bench`",
                 f.display()
             );
-        }
-        let mut t = Vec::new();
-        if o.backends.iter().any(|b| b == "cpu") {
-            eprintln!("tern cpu on {} ...", f.display());
-            t.push(bench_tern(&cpu, f, o)?);
-        }
-        if let Some(g) = &gpu {
-            eprintln!("tern wgpu on {} ...", f.display());
-            let mut r = bench_tern(g, f, o)?;
-            r["adapter"] = json!(g.dev.info.name);
-            t.push(r);
-        }
-        #[cfg(feature = "cuda")]
-        if let Some((c, copy_gbps)) = &cuda {
-            eprintln!("tern cuda on {} ...", f.display());
-            let mut r = bench_tern(c, f, o)?;
-            r["device"] = json!(c.dev.name);
-            r["copy_gbps"] = json!(copy_gbps);
-            r["decode_fraction_of_copy"] =
-                json!(r["decode_weight_gbps"].as_f64().unwrap_or(0.0) / copy_gbps);
-            t.push(r);
         }
         // Stock llama.cpp has no PQ2_0/PTQ1_0 kernels: it can only run the other files.
         let g = tern::gguf::Gguf::open(f)?;
@@ -190,16 +286,38 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 tern::tensor::GgmlType::PQ2_0 | tern::tensor::GgmlType::PTQ1_0
             )
         });
-        let l = if o.llama && llama_can {
-            eprintln!("llama.cpp on {} ...", f.display());
-            Some(bench_llama(f, o, &script)?)
-        } else {
-            None
-        };
-        rows.push(json!({"file": f.file_name().unwrap().to_string_lossy(), "tern": t, "llama": l}));
+        let (mut t, mut l, mut lb) = (Vec::new(), Vec::new(), Vec::new());
+        for round in 0..o.rounds {
+            eprintln!(
+                "round {}/{} on {}, {}",
+                round + 1,
+                o.rounds,
+                f.display(),
+                load_average()
+            );
+            t.push(bench_tern_backends(&backends, f, o)?);
+            if o.llama && llama_can {
+                eprintln!("llama.cpp (Python binding) on {} ...", f.display());
+                l.push(bench_llama(f, o, &script)?);
+            }
+            if let (Some(exe), true) = (&llama_bench, llama_can) {
+                eprintln!("llama-bench on {} ...", f.display());
+                lb.push(bench_llama_bench(exe, f, o)?);
+            }
+        }
+        let t: Vec<Value> = (0..t[0].len())
+            .map(|i| median_rounds(t.iter().map(|r| r[i].clone()).collect()))
+            .collect();
+        let l = (!l.is_empty()).then(|| median_rounds(l));
+        let lb = (!lb.is_empty()).then(|| median_rounds(lb));
+        rows.push(json!({"file": f.file_name().unwrap().to_string_lossy(), "tern": t, "llama": l, "llama_bench": lb}));
     }
-    // Ratios are taken against llama.cpp on the Q8_0 file, the anchor of bench.md.
-    let anchor = rows.iter().find_map(|r| r["llama"].as_object().cloned());
+    // Ratios are taken against llama.cpp on the Q8_0 file, the anchor of bench.md: its own
+    // llama-bench where TERN_LLAMA_BENCH names one, else the Python binding.
+    let anchor = rows
+        .iter()
+        .find_map(|r| r["llama_bench"].as_object().cloned())
+        .or_else(|| rows.iter().find_map(|r| r["llama"].as_object().cloned()));
     println!(
         "{:<28} {:>10} {:>14} {:>14} {:>10} {:>10} {:>12} {:>10}",
         "file",
@@ -220,6 +338,9 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             .collect();
         if !r["llama"].is_null() {
             runs.push(("llama.cpp".to_string(), &r["llama"]));
+        }
+        if !r["llama_bench"].is_null() {
+            runs.push(("llama-bench".to_string(), &r["llama_bench"]));
         }
         for (eng, v) in runs {
             let (pr, dr) = match &anchor {
@@ -254,7 +375,9 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         "prompt_tokens": o.prompt_tokens,
         "decode_tokens": o.decode_tokens,
         "runs": o.runs,
-        "ratio_anchor": "llama.cpp on the first file it can run (bench-0.8b Q8_0)",
+        "rounds": o.rounds,
+        "load_average_after": load_average(),
+        "ratio_anchor": "llama.cpp on the first file it can run (bench-0.8b Q8_0): llama-bench if TERN_LLAMA_BENCH, else the Python binding",
         "results": rows,
     });
     std::fs::write(
@@ -296,6 +419,45 @@ pub fn kernels() -> Result<()> {
             m.len() as f64 / best / 1e9,
             (rows * cols) as f64 / best / 1e9
         );
+    }
+    int8_kernels(&x, &src, rows)
+}
+
+/// The serving path's integer kernels (`quant::int8`) on the same matrices, for 1 and 4
+/// activation rows per weight row and every instruction set the CPU has: GB/s of weight bytes.
+fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
+    use tern::quant::int8::{self, QActs};
+    use tern::tensor::GgmlType::*;
+    let cols = x.len();
+    let xs: Vec<f32> = x.iter().cycle().take(4 * cols).copied().collect();
+    println!("\nint8 activations");
+    println!("{:<8} {:>12} {:>6} {:>12}", "type", "isa", "rows", "GB/s");
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let row = tern::quant::quantize_row(ty, src)?;
+        let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
+        let acts = QActs::quantize(ty, &xs, cols);
+        for isa in int8::isas() {
+            for n in [1usize, 4] {
+                let mut best = f64::MAX;
+                let mut out = [0f32; 4];
+                for _ in 0..3 {
+                    let t = Instant::now();
+                    for r in 0..rows {
+                        let w = &m[r * row.len()..(r + 1) * row.len()];
+                        int8::dot_rows_isa(w, &acts, 0, &mut out[..n], isa);
+                        std::hint::black_box(&out);
+                    }
+                    best = best.min(t.elapsed().as_secs_f64());
+                }
+                println!(
+                    "{:<8} {:>12} {:>6} {:>12.2}",
+                    ty.name(),
+                    format!("{isa:?}"),
+                    n,
+                    m.len() as f64 / best / 1e9
+                );
+            }
+        }
     }
     Ok(())
 }
@@ -467,7 +629,7 @@ pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> R
                         best(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
                     }
                     _ => {
-                        let be = CpuBackend::new();
+                        let be = CpuBackend::int8();
                         let m = Model::load(&be, g.clone())?;
                         best(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
                     }

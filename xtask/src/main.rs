@@ -34,8 +34,13 @@ const USAGE: &str = "usage: cargo xtask <task>
                         LoRA goldens (xtask/py/lora_goldens.py, fixtures/golden/lora); the vision
                         goldens (xtask/py/vision_goldens.py, fixtures/golden/vision: mtmd's image
                         embeddings and logits at every position, flash attention off)
-  bench [--backend cpu,wgpu,cuda] [--no-llama] [--prompt N] [--decode N] [--runs N] [FILE...]
+  bench [--backend cpu,cpu-exact,wgpu,cuda] [--no-llama] [--prompt N] [--decode N] [--runs N]
+        [--rounds N] [FILE...]
                         tern vs stock llama.cpp on the bench files (default: fixtures/bench/*);
+                        cpu is the serving path (int8 activations), cpu-exact the f32 reference;
+                        llama.cpp through its Python binding and, with TERN_LLAMA_BENCH=path,
+                        its own llama-bench (then the ratios' anchor); --rounds N alternates
+                        tern and llama.cpp N times and reports medians;
                         GB/s of weights streamed per decoded token, and on cuda against the
                         device's copy bandwidth measured in the same run (cuda needs
                         `cargo run --release -p xtask --features cuda -- bench ...`)
@@ -200,6 +205,7 @@ fn main() -> Result<()> {
                 llama: true,
                 python: python(),
                 backends: vec!["cpu".to_string()],
+                rounds: 1,
             };
             if args[1..].iter().any(|a| a == "--kernels") {
                 return bench::kernels();
@@ -264,6 +270,7 @@ fn main() -> Result<()> {
                     "--prompt" => o.prompt_tokens = num(it.next(), "--prompt")?,
                     "--decode" => o.decode_tokens = num(it.next(), "--decode")?,
                     "--runs" => o.runs = num(it.next(), "--runs")?,
+                    "--rounds" => o.rounds = num(it.next(), "--rounds")?,
                     "--backend" => match it.next() {
                         Some(list) => o.backends = list.split(',').map(str::to_string).collect(),
                         None => bail!("--backend needs a list of cpu, wgpu, cuda\n{USAGE}"),

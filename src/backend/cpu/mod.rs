@@ -1,10 +1,13 @@
-//! The f32 reference backend: plain loops, rayon across output rows, tokens and heads.
+//! The CPU backend: plain loops, rayon across output rows, tokens and heads.
 //!
-//! Weights stay in the mmap in their stored dtype. One token's matvec streams each row through
-//! `quant::dot_row`, so a 2.7 GB quantized file decodes without an f32 copy of itself; several
-//! tokens go through `gemm`, which dequantizes a tile of rows at a time into per-thread scratch
-//! and multiplies it with every token row. Activations stay f32 throughout: the fast paths
-//! change the order of f32 sums, never the precision.
+//! Weights stay in the mmap in their stored dtype. On the f32 reference path (`CpuBackend::new`)
+//! one token's matvec streams each row through `quant::dot_row`, so a 2.7 GB quantized file
+//! decodes without an f32 copy of itself; several tokens go through `gemm`, which dequantizes a
+//! tile of rows at a time into per-thread scratch and multiplies it with every token row.
+//! Activations stay f32 throughout: those fast paths change the order of f32 sums, never the
+//! precision. The serving path (`CpuBackend::int8`) quantizes a matmul's activations to int8
+//! once and runs `quant::int8`'s integer kernels on quantized weights, every token row of the
+//! batch against each weight row while it is in cache (`product_int8`).
 //!
 //! `gemm` holds the register-blocked products (the many-token matmul and attention's two
 //! products), `attention` and `gdn` the two mixer cores, `math` the vectorized exp and the
@@ -26,12 +29,38 @@ mod gdn;
 mod gemm;
 mod math;
 
-#[derive(Default)]
-pub struct CpuBackend;
+/// The CPU backend. `new` is the f32 reference (`tern logits`, the golden tests,
+/// `--cpu-exact`); `int8` quantizes each matmul's activations to int8 and runs the integer
+/// kernels of `quant::int8` for the quantized weight types, as llama.cpp does (`generate`,
+/// `serve`).
+pub struct CpuBackend {
+    int8: bool,
+}
+
+impl Default for CpuBackend {
+    fn default() -> Self {
+        CpuBackend::new()
+    }
+}
 
 impl CpuBackend {
     pub fn new() -> Self {
-        CpuBackend
+        CpuBackend { int8: false }
+    }
+
+    /// The serving path: int8 activations against Q8_0, Q4_0, PQ2_0 and PTQ1_0 weights.
+    pub fn int8() -> Self {
+        CpuBackend { int8: true }
+    }
+
+    /// `int8` unless `exact`.
+    pub fn with_exact(exact: bool) -> Self {
+        CpuBackend { int8: !exact }
+    }
+
+    /// Whether matmuls quantize their activations (not the f32 reference).
+    pub fn is_int8(&self) -> bool {
+        self.int8
     }
 }
 
@@ -48,12 +77,15 @@ fn same_fold(a: &Fold, b: &Fold) -> bool {
     Arc::ptr_eq(&a.hadamard, &b.hadamard) && a.perm == b.perm
 }
 
-/// `y[r] = W · x[r]` for every row of `x` (already in the weight's folded basis).
-fn product(w: &Weight, x: &[f32]) -> Tensor {
+/// `y[r] = W · x[r]` for every row of `x` (already in the weight's folded basis); `int8`
+/// takes the integer kernels where the weight type has them.
+fn product(w: &Weight, x: &[f32], int8: bool) -> Tensor {
     let (k, n_out) = (w.ne0, w.rows);
     let n_tok = x.len() / k;
     let mut out = Tensor::zeros(n_tok, n_out);
-    if let Some(d) = &w.dense {
+    if int8 && w.dense.is_none() && quant::int8::supported(w.ty) && n_tok > 0 {
+        product_int8(w, x, &mut out);
+    } else if let Some(d) = &w.dense {
         for (xt, ot) in x.chunks_exact(k).zip(out.data.chunks_exact_mut(n_out)) {
             for (o, dr) in ot.iter_mut().zip(d.chunks_exact(k)) {
                 *o = dot(dr, xt);
@@ -100,6 +132,41 @@ fn product(w: &Weight, x: &[f32]) -> Tensor {
         gemm::matmul(w.ty, w.src.bytes(), w.row_bytes, n_out, x, k, &mut out.data);
     }
     out
+}
+
+/// `product` on the serving path: the activations quantized once, then each task takes
+/// `ROW_CHUNK` weight rows and every token row in groups of `int8::MAX_ROWS`, each weight row
+/// read from memory once for all tokens (it stays in L1 across the groups).
+fn product_int8(w: &Weight, x: &[f32], out: &mut Tensor) {
+    use quant::int8::{self, QActs, MAX_ROWS};
+    let (k, n_out) = (w.ne0, w.rows);
+    let n_tok = x.len() / k;
+    let acts = QActs::quantize(w.ty, x, k);
+    let run = |c: usize, chunk: &mut [f32]| {
+        for t0 in (0..n_tok).step_by(MAX_ROWS) {
+            let n = MAX_ROWS.min(n_tok - t0);
+            for (i, o) in chunk.chunks_exact_mut(n_tok).enumerate() {
+                int8::dot_rows(w.row_data(c * ROW_CHUNK + i), &acts, t0, &mut o[t0..t0 + n]);
+            }
+        }
+    };
+    if n_tok == 1 {
+        out.data
+            .par_chunks_mut(ROW_CHUNK)
+            .enumerate()
+            .for_each(|(c, chunk)| run(c, chunk));
+        return;
+    }
+    let mut out_t = vec![0f32; n_out * n_tok];
+    out_t
+        .par_chunks_mut(ROW_CHUNK * n_tok)
+        .enumerate()
+        .for_each(|(c, chunk)| run(c, chunk));
+    for (r, o) in out_t.chunks_exact(n_tok).enumerate() {
+        for (t, &v) in o.iter().enumerate() {
+            out.data[t * n_out + r] = v;
+        }
+    }
 }
 
 /// A row-major `[rows, cols]` activation.
@@ -471,8 +538,8 @@ impl Backend for CpuBackend {
     fn matmul(&self, w: &Weight, x: &Tensor) -> Tensor {
         assert_eq!(x.cols, w.ne0, "matmul {}: input width", w.src.name());
         match &w.fold {
-            None => product(w, &x.data),
-            Some(fold) => product(w, &folded_input(fold, x)),
+            None => product(w, &x.data, self.int8),
+            Some(fold) => product(w, &folded_input(fold, x), self.int8),
         }
     }
 
@@ -482,7 +549,7 @@ impl Backend for CpuBackend {
             .map(|w| {
                 assert_eq!(x.cols, w.ne0, "matmul {}: input width", w.src.name());
                 let Some(f) = &w.fold else {
-                    return product(w, &x.data);
+                    return product(w, &x.data, self.int8);
                 };
                 let i = match folded.iter().position(|(g, _)| same_fold(g, f)) {
                     Some(i) => i,
@@ -491,7 +558,7 @@ impl Backend for CpuBackend {
                         folded.len() - 1
                     }
                 };
-                product(w, &folded[i].1)
+                product(w, &folded[i].1, self.int8)
             })
             .collect()
     }

@@ -1,0 +1,378 @@
+//! AVX-512 VNNI and AVX2 versions of the integer kernels in `int8.rs`, chosen at run time.
+//!
+//! VNNI's `vpdpbusd` multiplies unsigned by signed bytes and adds each four products into an
+//! i32 lane, so the weight codes (Q8_0 biased by 128) are the unsigned operand and the
+//! activations the signed one. AVX2's `vpmaddubsw` does the same into i16 pairs, which would
+//! saturate on Q8_0's biased codes: there Q8_0 takes ggml's sign trick instead (`|w|` times
+//! `x` carrying `w`'s sign). The kernels agree with `int8::dot_portable` up to the order of the
+//! float sums of blocks (the integer sums are exact).
+
+use std::arch::x86_64::*;
+
+use super::int8::{Isa, QActs, MAX_ROWS};
+use super::ptq1_0::POW3;
+use crate::tensor::GgmlType;
+
+pub(super) fn vnni() -> bool {
+    is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx512bw")
+        && is_x86_feature_detected!("avx512vnni")
+        && is_x86_feature_detected!("f16c")
+}
+
+pub(super) fn avx2() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// Runs the best kernel this CPU has for `acts`' type, at most `isa`, into `out`; false when it
+/// has none (the caller falls back to the portable kernel). The caller checked the shapes.
+pub(super) fn dot_rows(row: &[u8], acts: &QActs, t0: usize, out: &mut [f32], isa: Isa) -> bool {
+    debug_assert!((1..=MAX_ROWS).contains(&out.len()));
+    macro_rules! rows {
+        ($kernel:ident) => {{
+            // SAFETY: the feature check above the call; the shapes were checked by
+            // `int8::dot_rows` (whole blocks of one row, rows t0..t0 + n of the activations).
+            unsafe {
+                match out.len() {
+                    1 => $kernel::<1>(row, acts, t0, out),
+                    2 => $kernel::<2>(row, acts, t0, out),
+                    3 => $kernel::<3>(row, acts, t0, out),
+                    _ => $kernel::<4>(row, acts, t0, out),
+                }
+            }
+            return true;
+        }};
+    }
+    use GgmlType::*;
+    if isa >= Isa::Avx512Vnni && vnni() {
+        match acts.ty {
+            Q8_0 => rows!(q8_0_vnni),
+            PQ2_0 | Q2_0Legacy => rows!(pq2_0_vnni),
+            PTQ1_0 => rows!(ptq1_0_vnni),
+            // Q4_0 has no 512-bit kernel: its AVX2 one below.
+            _ => {}
+        }
+    }
+    if isa >= Isa::Avx2 && avx2() {
+        match acts.ty {
+            Q8_0 => rows!(q8_0_avx2),
+            Q4_0 => rows!(q4_0_avx2),
+            PQ2_0 | Q2_0Legacy => rows!(pq2_0_avx2),
+            PTQ1_0 => rows!(ptq1_0_avx2),
+            _ => {}
+        }
+    }
+    false
+}
+
+#[inline(always)]
+unsafe fn f16_at(p: *const u8) -> u16 {
+    u16::from_le_bytes([*p, *p.add(1)])
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn f16_scalar(p: *const u8) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(f16_at(p) as i32)))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn hsum256(a: __m256) -> f32 {
+    let v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+    let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)))
+}
+
+/// The 128 PTQ1_0 trits (0, 1, 2) of the block at `b`, in element order (see `ptq1_0.rs` for
+/// the packing, and `x86::ptq1_0_levels` for the multiply trick).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn ptq1_0_codes(b: *const u8) -> [u8; 128] {
+    let mut out = [0u8; 128];
+    let o = out.as_mut_ptr();
+    let three = _mm256_set1_epi16(3);
+    let v = _mm256_slli_epi16::<8>(_mm256_cvtepu8_epi16(_mm_loadu_si128(b as *const __m128i)));
+    for (n, &p) in POW3.iter().enumerate() {
+        let t = _mm256_mulhi_epu16(_mm256_mullo_epi16(v, _mm256_set1_epi16(p as i16)), three);
+        let t = _mm_packus_epi16(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+        _mm_storeu_si128(o.add(16 * n) as *mut __m128i, t);
+    }
+    let three = _mm_set1_epi16(3);
+    let v = _mm_slli_epi16::<8>(_mm_cvtepu8_epi16(_mm_loadl_epi64(
+        b.add(16) as *const __m128i
+    )));
+    for (n, &p) in POW3.iter().enumerate() {
+        let t = _mm_mulhi_epu16(_mm_mullo_epi16(v, _mm_set1_epi16(p as i16)), three);
+        _mm_storel_epi64(o.add(80 + 8 * n) as *mut __m128i, _mm_packus_epi16(t, t));
+    }
+    let v = _mm_set1_epi32(((*b.add(24) as i32) << 8) | ((*b.add(25) as i32) << 24));
+    let t = _mm_mulhi_epu16(
+        _mm_mullo_epi16(v, _mm_setr_epi16(1, 1, 3, 3, 9, 9, 27, 27)),
+        three,
+    );
+    _mm_storel_epi64(o.add(120) as *mut __m128i, _mm_packus_epi16(t, t));
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI
+
+/// Q8_0: two blocks per 512-bit step, each block's eight i32 lanes scaled by `dw * dx` lane-wise
+/// (`QActs::d8`, `o8`); a last odd block goes through the portable block sum.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
+    let (k, nb) = (a.k, a.k / 32);
+    let p = row.as_ptr();
+    let bias = _mm512_set1_epi8(-128);
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut b = 0;
+    while b + 2 <= nb {
+        let blk = p.add(b * 34);
+        let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+        let w1 = _mm256_loadu_si256(blk.add(36) as *const __m256i);
+        let w = _mm512_xor_si512(
+            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1),
+            bias,
+        );
+        let dw = _mm512_cvtph_ps(_mm256_set_m128i(
+            _mm_set1_epi16(f16_at(blk.add(34)) as i16),
+            _mm_set1_epi16(f16_at(blk) as i16),
+        ));
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let t = t0 + i;
+            let x = _mm512_loadu_si512(a.qs.as_ptr().add(t * k + b * 32) as *const _);
+            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
+            let l = (t * nb + b) * 8;
+            let dx = _mm512_loadu_ps(a.d8.as_ptr().add(l));
+            let o = _mm512_loadu_ps(a.o8.as_ptr().add(l));
+            *acc = _mm512_fmadd_ps(dw, _mm512_fmsub_ps(dx, s, o), *acc);
+        }
+        b += 2;
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        let t = t0 + i;
+        let mut r = _mm512_reduce_add_ps(acc[i]);
+        if b < nb {
+            let blk = &row[b * 34..(b + 1) * 34];
+            let q = &a.row(t)[b * 32..(b + 1) * 32];
+            let s: i32 = blk[2..]
+                .iter()
+                .zip(q)
+                .map(|(&w, &x)| w as i8 as i32 * x as i32)
+                .sum();
+            r += f16_scalar(blk.as_ptr()) * (a.d[t * nb + b] * s as f32);
+        }
+        *o = r;
+    }
+}
+
+/// Dots 128 codes (two 64-byte vectors) with each row's 128 activations of block `b`, and
+/// scales: the shared tail of the PQ2_0 and PTQ1_0 VNNI kernels.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn codes128_vnni<const N: usize>(
+    c: [__m512i; 2],
+    dw: f32,
+    a: &QActs,
+    t0: usize,
+    b: usize,
+    acc: &mut [__m512; N],
+    off: &mut [f32; N],
+) {
+    let (k, nb) = (a.k, a.k / 128);
+    for i in 0..N {
+        let t = t0 + i;
+        let x = a.qs.as_ptr().add(t * k + b * 128);
+        let x0 = _mm512_loadu_si512(x as *const _);
+        let x1 = _mm512_loadu_si512(x.add(64) as *const _);
+        let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], x0);
+        let s = _mm512_dpbusd_epi32(s, c[1], x1);
+        acc[i] = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(s),
+            _mm512_set1_ps(dw * a.d[t * nb + b]),
+            acc[i],
+        );
+        off[i] += dw * a.o[t * nb + b];
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn pq2_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
+    let nb = a.k / 128;
+    // Per 16-bit lane: the low 256 bits take code planes 0 and 2, the high ones 1 and 3.
+    let sh01 = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+    let sh23 = _mm512_inserti64x4::<1>(
+        _mm512_castsi256_si512(_mm256_set1_epi16(4)),
+        _mm256_set1_epi16(6),
+    );
+    let m3 = _mm512_set1_epi8(3);
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut off = [0f32; N];
+    for b in 0..nb {
+        let blk = row.as_ptr().add(b * 34);
+        let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2) as *const __m256i));
+        let c = [
+            _mm512_and_si512(_mm512_srlv_epi16(q, sh01), m3),
+            _mm512_and_si512(_mm512_srlv_epi16(q, sh23), m3),
+        ];
+        codes128_vnni(c, f16_scalar(blk), a, t0, b, &mut acc, &mut off);
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = _mm512_reduce_add_ps(acc[i]) - off[i];
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn ptq1_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
+    let nb = a.k / 128;
+    let mut acc = [_mm512_setzero_ps(); N];
+    let mut off = [0f32; N];
+    for b in 0..nb {
+        let blk = row.as_ptr().add(b * 28);
+        let codes = ptq1_0_codes(blk);
+        let c = [
+            _mm512_loadu_si512(codes.as_ptr() as *const _),
+            _mm512_loadu_si512(codes.as_ptr().add(64) as *const _),
+        ];
+        codes128_vnni(c, f16_scalar(blk.add(26)), a, t0, b, &mut acc, &mut off);
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = _mm512_reduce_add_ps(acc[i]) - off[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX2
+
+/// `Σ c·x` of 32 unsigned codes (each below 64) and 32 signed levels, as eight i32 lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn madd_u8(c: __m256i, x: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), _mm256_set1_epi16(1))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
+    let (k, nb) = (a.k, a.k / 32);
+    let mut acc = [_mm256_setzero_ps(); N];
+    for b in 0..nb {
+        let blk = row.as_ptr().add(b * 34);
+        let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+        let aw = _mm256_sign_epi8(w, w);
+        let dw = _mm256_set1_ps(f16_scalar(blk));
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let t = t0 + i;
+            let x = _mm256_loadu_si256(a.qs.as_ptr().add(t * k + b * 32) as *const __m256i);
+            let s = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)),
+                _mm256_set1_epi16(1),
+            );
+            let dx = _mm256_loadu_ps(a.d8.as_ptr().add((t * nb + b) * 8));
+            *acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), *acc);
+        }
+    }
+    for (o, &acc) in out.iter_mut().zip(&acc) {
+        *o = hsum256(acc);
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
+    let (k, nb) = (a.k, a.k / 32);
+    let m15 = _mm_set1_epi8(15);
+    let mut acc = [_mm256_setzero_ps(); N];
+    for b in 0..nb {
+        let blk = row.as_ptr().add(b * 18);
+        let q = _mm_loadu_si128(blk.add(2) as *const __m128i);
+        let c = _mm256_set_m128i(
+            _mm_and_si128(_mm_srli_epi16::<4>(q), m15),
+            _mm_and_si128(q, m15),
+        );
+        let dw = _mm256_set1_ps(f16_scalar(blk));
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let t = t0 + i;
+            let x = _mm256_loadu_si256(a.qs.as_ptr().add(t * k + b * 32) as *const __m256i);
+            let s = _mm256_cvtepi32_ps(madd_u8(c, x));
+            let l = (t * nb + b) * 8;
+            let dx = _mm256_loadu_ps(a.d8.as_ptr().add(l));
+            let o = _mm256_loadu_ps(a.o8.as_ptr().add(l));
+            *acc = _mm256_fmadd_ps(dw, _mm256_fmsub_ps(dx, s, o), *acc);
+        }
+    }
+    for (o, &acc) in out.iter_mut().zip(&acc) {
+        *o = hsum256(acc);
+    }
+}
+
+/// The AVX2 tail of the 128-element code kernels: four 32-code vectors against each row's
+/// block `b`. A code is at most 2, so the four planes' i16 pair sums add without saturating.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn codes128_avx2<const N: usize>(
+    c: [__m256i; 4],
+    dw: f32,
+    a: &QActs,
+    t0: usize,
+    b: usize,
+    acc: &mut [__m256; N],
+    off: &mut [f32; N],
+) {
+    let (k, nb) = (a.k, a.k / 128);
+    for i in 0..N {
+        let t = t0 + i;
+        let x = a.qs.as_ptr().add(t * k + b * 128) as *const __m256i;
+        let p: [__m256i; 4] =
+            std::array::from_fn(|j| _mm256_maddubs_epi16(c[j], _mm256_loadu_si256(x.add(j))));
+        let p = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
+        let s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+        acc[i] = _mm256_fmadd_ps(
+            _mm256_cvtepi32_ps(s),
+            _mm256_set1_ps(dw * a.d[t * nb + b]),
+            acc[i],
+        );
+        off[i] += dw * a.o[t * nb + b];
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pq2_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
+    let nb = a.k / 128;
+    let m3 = _mm256_set1_epi8(3);
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut off = [0f32; N];
+    for b in 0..nb {
+        let blk = row.as_ptr().add(b * 34);
+        let q = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+        let c = [
+            _mm256_and_si256(q, m3),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(q), m3),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(q), m3),
+            _mm256_and_si256(_mm256_srli_epi16::<6>(q), m3),
+        ];
+        codes128_avx2(c, f16_scalar(blk), a, t0, b, &mut acc, &mut off);
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = hsum256(acc[i]) - off[i];
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn ptq1_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
+    let nb = a.k / 128;
+    let mut acc = [_mm256_setzero_ps(); N];
+    let mut off = [0f32; N];
+    for b in 0..nb {
+        let blk = row.as_ptr().add(b * 28);
+        let codes = ptq1_0_codes(blk);
+        let c: [__m256i; 4] = std::array::from_fn(|j| {
+            _mm256_loadu_si256(codes.as_ptr().add(32 * j) as *const __m256i)
+        });
+        codes128_avx2(c, f16_scalar(blk.add(26)), a, t0, b, &mut acc, &mut off);
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = hsum256(acc[i]) - off[i];
+    }
+}

@@ -1,0 +1,352 @@
+//! The serving path's integer kernels (`quant::int8`, issue #21): every instruction set this
+//! CPU has against an f64 reference of the same integer arithmetic and against the f32 kernels,
+//! on random weights (all code values, not only what the quantizers write) and awkward shapes;
+//! then whole models on the int8 CPU backend against the goldens at the quantized tolerance.
+
+use std::path::{Path, PathBuf};
+
+use tern::backend::cpu::CpuBackend;
+use tern::backend::{nmse, Backend};
+use tern::model::Model;
+use tern::quant::int8::{self, Isa, QActs, MAX_ROWS};
+use tern::quant::{dequantize_row, dot_row};
+use tern::tensor::GgmlType::{self, *};
+
+/// xorshift64*: deterministic inputs without a dependency.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+}
+
+/// Where a block keeps its f16 scale, and the block's size in bytes.
+fn scale_at(ty: GgmlType) -> (usize, usize) {
+    match ty {
+        Q8_0 => (0, 34),
+        Q4_0 => (0, 18),
+        PQ2_0 => (0, 34),
+        PTQ1_0 => (26, 28),
+        _ => unreachable!(),
+    }
+}
+
+/// `rows` stored rows of `k`: random bytes (every code value, Q8_0's -128 too) with a scale
+/// from a small set of f16s (0.0078, 0.125, 1.0, 0.5) in each block.
+fn random_rows(rng: &mut Rng, ty: GgmlType, k: usize, rows: usize) -> Vec<u8> {
+    let (at, bytes) = scale_at(ty);
+    let n = ty.row_bytes(k as u64).unwrap() as usize * rows;
+    let mut v: Vec<u8> = (0..n).map(|_| rng.next() as u8).collect();
+    for blk in v.chunks_exact_mut(bytes) {
+        let h: u16 = [0x2000, 0x3000, 0x3c00, 0x3800][(rng.next() % 4) as usize];
+        blk[at..at + 2].copy_from_slice(&h.to_le_bytes());
+    }
+    v
+}
+
+/// Activations with a spread of magnitudes across blocks, some blocks all zero.
+fn random_acts(rng: &mut Rng, n: usize) -> Vec<f32> {
+    let mut x: Vec<f32> = (0..n).map(|_| rng.f()).collect();
+    for (b, c) in x.chunks_mut(32).enumerate() {
+        let s = match b % 5 {
+            0 => 0.0,
+            1 => 10.0,
+            2 => 1e-3,
+            _ => 1.0,
+        };
+        c.iter_mut().for_each(|v| *v *= s);
+    }
+    x
+}
+
+/// `x` as the kernels see it: each activation block rounded to `d * round(x / d)`,
+/// `d = max |x| / 127`, with the blocks of the weight type's activations (32 or 128).
+fn rounded(ty: GgmlType, x: &[f32]) -> Vec<f64> {
+    let qk = if matches!(ty, Q8_0 | Q4_0) { 32 } else { 128 };
+    x.chunks(qk)
+        .flat_map(|b| {
+            let d = b.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            let id = if d > 0.0 { 1.0 / d } else { 0.0 };
+            b.iter()
+                .map(move |&v| (v * id).round() as f64 * d as f64)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Runs `int8::dot_rows_isa` over every weight row and every activation row, in groups of up
+/// to `MAX_ROWS` as the backend does: `out[t][r]`.
+fn int8_products(ty: GgmlType, w: &[u8], n_out: usize, x: &[f32], k: usize, isa: Isa) -> Vec<f32> {
+    let acts = QActs::quantize(ty, x, k);
+    let n_tok = acts.rows();
+    let rb = w.len() / n_out;
+    let mut out = vec![0f32; n_tok * n_out];
+    let mut o = [0f32; MAX_ROWS];
+    for r in 0..n_out {
+        for t0 in (0..n_tok).step_by(MAX_ROWS) {
+            let n = MAX_ROWS.min(n_tok - t0);
+            int8::dot_rows_isa(&w[r * rb..(r + 1) * rb], &acts, t0, &mut o[..n], isa);
+            for i in 0..n {
+                out[(t0 + i) * n_out + r] = o[i];
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn int8_kernels_match_the_integer_reference_on_every_isa() {
+    let isas = int8::isas();
+    println!("instruction sets: {isas:?}");
+    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let n_out = 7;
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        // Whole blocks only, and never a multiple of 256 except the smallest PQ2_0 pair; odd
+        // block counts leave Q8_0's 512-bit kernel a last single block.
+        let ks: &[usize] = match ty {
+            Q8_0 | Q4_0 => &[32, 96, 544, 2080],
+            _ => &[128, 384, 640, 1152],
+        };
+        for &k in ks {
+            let w = random_rows(&mut rng, ty, k, n_out);
+            let rb = w.len() / n_out;
+            let mut wf = vec![0f32; n_out * k];
+            for (r, row) in wf.chunks_exact_mut(k).enumerate() {
+                dequantize_row(ty, &w[r * rb..(r + 1) * rb], row).unwrap();
+            }
+            for n_tok in 1..=5 {
+                let x = random_acts(&mut rng, n_tok * k);
+                let xr = rounded(ty, &x);
+                for &isa in &isas {
+                    let got = int8_products(ty, &w, n_out, &x, k, isa);
+                    for t in 0..n_tok {
+                        for r in 0..n_out {
+                            let (wr, xt) = (&wf[r * k..(r + 1) * k], &xr[t * k..(t + 1) * k]);
+                            let want: f64 = wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b).sum();
+                            let mag: f64 =
+                                wr.iter().zip(xt).map(|(&a, &b)| (a as f64 * b).abs()).sum();
+                            let g = got[t * n_out + r] as f64;
+                            assert!(
+                                (g - want).abs() <= 1e-5 * mag + 1e-6,
+                                "{ty} {isa:?} k={k} n_tok={n_tok} [{t},{r}]: {g} vs {want} (|terms| {mag})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The rounding of the activations is the only difference from the f32 kernels: each element
+/// moves by at most half its block's step, so `|int8 - f32| <= Σ |w_i| * d_i / 2` (plus f32
+/// rounding), on the quantizers' own rows.
+#[test]
+fn int8_kernels_stay_within_the_activation_rounding_of_the_f32_kernels() {
+    let mut rng = Rng(42);
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let k = if matches!(ty, Q8_0 | Q4_0) { 352 } else { 640 };
+        let qk = if matches!(ty, Q8_0 | Q4_0) { 32 } else { 128 };
+        let n_out = 5;
+        let src: Vec<f32> = (0..n_out * k).map(|_| rng.f()).collect();
+        let w = tern::quant::quantize_row(ty, &src).unwrap();
+        let rb = w.len() / n_out;
+        let mut wf = vec![0f32; n_out * k];
+        dequantize_row(ty, &w, &mut wf).unwrap();
+        let x = random_acts(&mut rng, 3 * k);
+        let got = int8_products(ty, &w, n_out, &x, k, Isa::Avx512Vnni);
+        for t in 0..3 {
+            let xt = &x[t * k..(t + 1) * k];
+            for r in 0..n_out {
+                let f = dot_row(ty, &w[r * rb..(r + 1) * rb], xt);
+                let bound: f32 = wf[r * k..(r + 1) * k]
+                    .chunks(qk)
+                    .zip(xt.chunks(qk))
+                    .map(|(wb, xb)| {
+                        let d = xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+                        wb.iter().map(|v| v.abs()).sum::<f32>() * d / 2.0
+                    })
+                    .sum();
+                let g = got[t * n_out + r];
+                assert!(
+                    (g - f).abs() <= bound * 1.001 + 1e-4 * f.abs().max(1.0),
+                    "{ty} [{t},{r}]: int8 {g} vs f32 {f}, bound {bound}"
+                );
+            }
+        }
+    }
+}
+
+/// A row's result does not depend on how many rows share the call: a sequence decoded in a
+/// batch computes what it computes alone.
+#[test]
+fn int8_rows_are_bit_identical_alone_and_in_a_group() {
+    let mut rng = Rng(7);
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let k = 1024;
+        let w = random_rows(&mut rng, ty, k, 1);
+        let x = random_acts(&mut rng, MAX_ROWS * k);
+        let acts = QActs::quantize(ty, &x, k);
+        for &isa in &int8::isas() {
+            let mut group = [0f32; MAX_ROWS];
+            int8::dot_rows_isa(&w, &acts, 0, &mut group, isa);
+            for (t, g) in group.iter().enumerate() {
+                let mut one = [0f32];
+                int8::dot_rows_isa(&w, &acts, t, &mut one, isa);
+                assert_eq!(one[0].to_bits(), g.to_bits(), "{ty} {isa:?} row {t}");
+            }
+        }
+    }
+}
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+fn tokens(file: &str) -> Vec<u32> {
+    let text = std::fs::read_to_string(fixtures().join("manifest.json")).unwrap();
+    let m: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let e = m["fixtures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["file"] == file)
+        .unwrap_or_else(|| panic!("{file} not in the manifest"));
+    e["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn argmax(r: &[f32]) -> usize {
+    (0..r.len()).fold(0, |b, i| if r[i] > r[b] { i } else { b })
+}
+
+/// Logits of every position of `t`, one prefill batch.
+fn prefill(be: &CpuBackend, path: &Path, t: &[u32]) -> (Vec<f32>, usize) {
+    let m = Model::open(be, path).unwrap();
+    let mut st = m.new_state(be);
+    let out = be.to_host(&m.forward(be, &mut st, t, true).unwrap().logits);
+    (out, m.cfg.n_vocab)
+}
+
+/// The trained demo models (real activations, unlike the random fixtures): the int8 path's
+/// logits over 256 held-out tokens against the f32 reference's (which `golden.rs` and
+/// `demo_model.rs` tie to llama.cpp) within issue #21's quantized tolerance, NMSE at most 5e-3
+/// and the same top-1 token at 96% of positions or more. Measured: Q8_0 3.4e-5 and 253/256,
+/// PQ2_0 5.2e-5 and 251/256, PTQ1_0 5.3e-5 and 248/256.
+fn check_demo(file: &str) {
+    let ev: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("demo/eval.json")).unwrap())
+            .unwrap();
+    let t: Vec<u32> = ev["heldout_slice"]["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .take(256)
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(t.len(), 256);
+    let path = fixtures().join("demo").join(file);
+    let (exact, nv) = prefill(&CpuBackend::new(), &path, &t);
+    let (ours, _) = prefill(&CpuBackend::int8(), &path, &t);
+    let e = nmse(&ours, &exact);
+    let same = ours
+        .chunks(nv)
+        .zip(exact.chunks(nv))
+        .filter(|(a, g)| argmax(a) == argmax(g))
+        .count();
+    println!("{file}: int8 vs f32 reference NMSE {e:.3e}, top-1 {same}/256");
+    assert!(e <= 5e-3, "{file}: NMSE {e:e}");
+    assert!(same as f64 / 256.0 >= 0.96, "{file}: top-1 {same}/256");
+}
+
+#[test]
+fn int8_demo_q8_0_within_quantized_tolerance() {
+    check_demo("demo-q8_0.gguf");
+}
+
+#[test]
+fn int8_demo_pq2_0_within_quantized_tolerance() {
+    check_demo("demo-pq2_0.gguf");
+}
+
+#[test]
+fn int8_demo_ptq1_0_within_quantized_tolerance() {
+    check_demo("demo-ptq1_0.gguf");
+}
+
+/// The random tiny fixtures amplify any rounding through their layers: llama.cpp's own int8
+/// path lands at NMSE 1.0e-2 (Q8_0) and 8.8e-3 (Q4_0) from the exact golden there, beyond the
+/// 5e-3 that holds on the trained models above. So here the int8 path must stay within twice
+/// llama.cpp's own distance from the exact golden (measured: Q8_0 1.18e-2 vs 1.04e-2, Q4_0
+/// 1.23e-2 vs 8.8e-3, tied Q8_0 8.9e-4 vs 8.2e-4), within 1.5e-2 where llama.cpp cannot run the
+/// file (PQ2_0: 6.2e-3). Token-by-token decode is held to the same bound: each row's
+/// activations are quantized alone, but the f32 ops around the matmuls sum in another order
+/// when batched, and a level that flips at a rounding edge is amplified like any other error
+/// (tiny PQ2_0: 5e-4 between the two).
+fn check_model(file: &str) {
+    let be = CpuBackend::int8();
+    let t = tokens(file);
+    let path = fixtures().join(file);
+    let (prefill, nv) = prefill(&be, &path, &t);
+    let m = Model::open(&be, &path).unwrap();
+    let mut st = m.new_state(&be);
+    let mut decode = Vec::new();
+    for &tok in &t {
+        decode.extend(be.to_host(&m.forward(&be, &mut st, &[tok], true).unwrap().logits));
+    }
+    let stem = file.trim_end_matches(".gguf");
+    let golden = |kind: &str| tern::npy::read(fixtures().join(format!("golden/{stem}.{kind}.npy")));
+    let (exact, _) = golden("exact").unwrap();
+    let bound = match golden("llama") {
+        Ok((llama, _)) => 2.0 * nmse(&llama, &exact),
+        Err(_) => 1.5e-2,
+    };
+    for (mode, ours) in [("prefill", &prefill), ("decode", &decode)] {
+        let e = nmse(ours, &exact);
+        let same = ours
+            .chunks(nv)
+            .zip(exact.chunks(nv))
+            .filter(|(a, g)| argmax(a) == argmax(g))
+            .count();
+        println!(
+            "{file} int8 {mode}: exact golden NMSE {e:.3e} (bound {bound:.3e}), top-1 {same}/{}",
+            t.len()
+        );
+        assert!(
+            e <= bound,
+            "{file} {mode}: NMSE {e:e} vs exact golden, bound {bound:e}"
+        );
+    }
+}
+
+#[test]
+fn int8_model_q8_0_near_llama_cpp() {
+    check_model("tiny-q8_0.gguf");
+}
+
+#[test]
+fn int8_model_q4_0_near_llama_cpp() {
+    check_model("tiny-q4_0.gguf");
+}
+
+#[test]
+fn int8_model_pq2_0_near_exact() {
+    check_model("tiny-pq2_0.gguf");
+}
+
+#[test]
+fn int8_model_tied_q8_0_near_llama_cpp() {
+    check_model("tiny-tied-q8_0.gguf");
+}
