@@ -94,8 +94,8 @@ fn int8_products(ty: GgmlType, w: &[u8], n_out: usize, x: &[f32], k: usize, isa:
         for t0 in (0..n_tok).step_by(MAX_ROWS) {
             let n = MAX_ROWS.min(n_tok - t0);
             int8::dot_rows_isa(&w[r * rb..(r + 1) * rb], &acts, t0, &mut o[..n], isa);
-            for i in 0..n {
-                out[(t0 + i) * n_out + r] = o[i];
+            for (i, &v) in o[..n].iter().enumerate() {
+                out[(t0 + i) * n_out + r] = v;
             }
         }
     }

@@ -135,10 +135,6 @@ impl QActs {
         self.rows
     }
 
-    pub fn ty(&self) -> GgmlType {
-        self.ty
-    }
-
     /// The levels of row `t`.
     pub(super) fn row(&self, t: usize) -> &[i8] {
         &self.qs[t * self.k..(t + 1) * self.k]

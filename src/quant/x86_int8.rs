@@ -183,19 +183,19 @@ unsafe fn codes128_vnni<const N: usize>(
     off: &mut [f32; N],
 ) {
     let (k, nb) = (a.k, a.k / 128);
-    for i in 0..N {
+    for (i, (acc, off)) in acc.iter_mut().zip(off.iter_mut()).enumerate() {
         let t = t0 + i;
         let x = a.qs.as_ptr().add(t * k + b * 128);
         let x0 = _mm512_loadu_si512(x as *const _);
         let x1 = _mm512_loadu_si512(x.add(64) as *const _);
         let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], x0);
         let s = _mm512_dpbusd_epi32(s, c[1], x1);
-        acc[i] = _mm512_fmadd_ps(
+        *acc = _mm512_fmadd_ps(
             _mm512_cvtepi32_ps(s),
             _mm512_set1_ps(dw * a.d[t * nb + b]),
-            acc[i],
+            *acc,
         );
-        off[i] += dw * a.o[t * nb + b];
+        *off += dw * a.o[t * nb + b];
     }
 }
 
@@ -321,19 +321,19 @@ unsafe fn codes128_avx2<const N: usize>(
     off: &mut [f32; N],
 ) {
     let (k, nb) = (a.k, a.k / 128);
-    for i in 0..N {
+    for (i, (acc, off)) in acc.iter_mut().zip(off.iter_mut()).enumerate() {
         let t = t0 + i;
         let x = a.qs.as_ptr().add(t * k + b * 128) as *const __m256i;
         let p: [__m256i; 4] =
             std::array::from_fn(|j| _mm256_maddubs_epi16(c[j], _mm256_loadu_si256(x.add(j))));
         let p = _mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3]));
         let s = _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-        acc[i] = _mm256_fmadd_ps(
+        *acc = _mm256_fmadd_ps(
             _mm256_cvtepi32_ps(s),
             _mm256_set1_ps(dw * a.d[t * nb + b]),
-            acc[i],
+            *acc,
         );
-        off[i] += dw * a.o[t * nb + b];
+        *off += dw * a.o[t * nb + b];
     }
 }
 
