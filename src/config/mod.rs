@@ -555,7 +555,8 @@ pub struct Settings {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend: Option<BackendKind>,
     /// The CPU backend's f32 reference matmuls (default false: int8 activations against
-    /// quantized weights, as llama.cpp; `tern logits` always takes the reference).
+    /// quantized weights, as llama.cpp; `tern logits` takes the reference unless
+    /// `--cpu-exact=false`).
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_exact: Option<bool>,

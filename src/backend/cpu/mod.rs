@@ -57,11 +57,6 @@ impl CpuBackend {
     pub fn with_exact(exact: bool) -> Self {
         CpuBackend { int8: !exact }
     }
-
-    /// Whether matmuls quantize their activations (not the f32 reference).
-    pub fn is_int8(&self) -> bool {
-        self.int8
-    }
 }
 
 /// `x` with `fold`'s forward rule applied to every row.
