@@ -94,35 +94,17 @@ impl QActs {
             o8: Vec::new(),
         };
         let nbr = k / qk;
-        let quantize_row =
-            |((xr, qr), (dr, or)): ((&[f32], &mut [i8]), (&mut [f32], &mut [f32]))| {
-                for (((xb, qb), d), o) in xr
-                    .chunks_exact(qk)
-                    .zip(qr.chunks_exact_mut(qk))
-                    .zip(dr.iter_mut())
-                    .zip(or.iter_mut())
-                {
-                    let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                    *d = amax / 127.0;
-                    let id = if *d > 0.0 { 1.0 / *d } else { 0.0 };
-                    let mut sum = 0i32;
-                    for (j, &v) in xb.iter().enumerate() {
-                        let q = (v * id).round() as i8;
-                        sum += q as i32;
-                        let at = if interleave { (j % 4) * 32 + j / 4 } else { j };
-                        qb[at] = q;
-                    }
-                    *o = z * *d * sum as f32;
-                }
-            };
+        let row = |x: &[f32], q: &mut [i8], d: &mut [f32], o: &mut [f32]| {
+            quantize_row(qk, z, interleave, x, q, d, o)
+        };
         // One row (a decode step) is quicker than a fork.
         if rows == 1 {
-            quantize_row(((x, &mut a.qs[..]), (&mut a.d[..], &mut a.o[..])));
+            row(x, &mut a.qs, &mut a.d, &mut a.o);
         } else {
             x.par_chunks(k)
                 .zip(a.qs.par_chunks_mut(k))
                 .zip(a.d.par_chunks_mut(nbr).zip(a.o.par_chunks_mut(nbr)))
-                .for_each(quantize_row);
+                .for_each(|((x, q), (d, o))| row(x, q, d, o));
         }
         if qk == 32 {
             a.d8 = a.d.iter().flat_map(|&d| [d; 8]).collect();
@@ -167,6 +149,37 @@ pub fn isas() -> Vec<Isa> {
         }
     }
     v
+}
+
+/// One row of [`QActs::quantize`]: its levels `q` (interleaved for PQ2_0), and per block of
+/// `qk` the scale `d` and the zero-point term `o`.
+fn quantize_row(
+    qk: usize,
+    z: f32,
+    interleave: bool,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    o: &mut [f32],
+) {
+    for (((xb, qb), d), o) in x
+        .chunks_exact(qk)
+        .zip(q.chunks_exact_mut(qk))
+        .zip(d.iter_mut())
+        .zip(o.iter_mut())
+    {
+        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        *d = amax / 127.0;
+        let id = if *d > 0.0 { 1.0 / *d } else { 0.0 };
+        let mut sum = 0i32;
+        for (j, &v) in xb.iter().enumerate() {
+            let l = (v * id).round() as i8;
+            sum += l as i32;
+            let at = if interleave { (j % 4) * 32 + j / 4 } else { j };
+            qb[at] = l;
+        }
+        *o = z * *d * sum as f32;
+    }
 }
 
 /// `out[i] = row · x[t0 + i]` for `out.len()` (1 to [`MAX_ROWS`]) activation rows, `row` one
