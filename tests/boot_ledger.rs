@@ -65,6 +65,9 @@ fn cases(has_mtp: bool) -> Vec<Case> {
     v
 }
 
+/// The heap counter is process-wide: one measurement at a time.
+static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// `mk` makes a fresh backend per case, so a pool measures that case alone.
 fn check<B: Backend + 'static>(
     mk: impl Fn() -> B,
@@ -73,8 +76,6 @@ fn check<B: Backend + 'static>(
 ) where
     B::W: 'static,
 {
-    // The heap counter is process-wide: one measurement at a time.
-    static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
     HEAP.mark_installed();
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -124,6 +125,108 @@ fn check<B: Backend + 'static>(
             "{fixture}: the boot ledger disagrees with the projection:\n{table}"
         );
     }
+}
+
+/// The projector's lines: its weights as uploaded to the byte, and one encode of the largest
+/// image `--image-max-tokens` allows within the vision compute projected for it. Each fixture
+/// projector (F32, F16, Q8_0) at two limits (64 and 300 tokens: 256 and 1,200 patches, an
+/// 8 x 8 and a 15 x 20 token grid).
+fn check_projector<B: Backend>(mk: impl Fn() -> B, kind: BackendKind) {
+    use tern::model::vision::Projector;
+    let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
+    HEAP.mark_installed();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/vision");
+    let g = Arc::new(Gguf::open(dir.join("tiny-vl-f32.gguf")).unwrap());
+    let n_embd = tern::model::Config::from_gguf(&g).unwrap().n_embd;
+    for file in ["mmproj-f32.gguf", "mmproj-f16.gguf", "mmproj-q8_0.gguf"] {
+        for max_tokens in [64u64, 300] {
+            let shape = tern::plan::Shape {
+                ctx_size: 256,
+                mmproj: Some(dir.join(file)),
+                image_max_tokens: Some(max_tokens),
+                backend: kind,
+                ..Default::default()
+            };
+            let ledger = Ledger::price(&g, &shape).unwrap();
+            let be = mk();
+            let mut p = Projector::open(&be, dir.join(file), n_embd).unwrap();
+            p.set_token_limits(None, Some(max_tokens as usize)).unwrap();
+            let (projector, vision_compute, vision_how) = plan::boot::projector_allocated(&be, &p);
+            let a = plan::Allocated {
+                projector,
+                vision_compute,
+                vision_how,
+                ..Default::default()
+            };
+            let rows = plan::boot::rows(&ledger, &a);
+            let mine: Vec<_> = rows
+                .iter()
+                .filter(|r| r.term == "projector" || r.term == "vision compute")
+                .collect();
+            let table: String = mine
+                .iter()
+                .map(|r| {
+                    format!(
+                        "  {:<16} projected {:>10} B, allocated {:>10} B ({}, {})\n",
+                        r.term,
+                        r.projected,
+                        r.allocated.unwrap_or(0),
+                        r.rule,
+                        if r.ok { "ok" } else { "DISAGREES" }
+                    )
+                })
+                .collect();
+            eprintln!(
+                "{file} on {kind:?}, image-max-tokens {max_tokens} ({}):\n{table}",
+                a.vision_how
+            );
+            assert_eq!(mine.len(), 2, "{table}");
+            assert!(
+                a.vision_compute.is_some_and(|c| c > 0),
+                "not measured:\n{table}"
+            );
+            assert!(
+                mine.iter().all(|r| r.ok),
+                "{file}: the projector's lines disagree with the projection:\n{table}"
+            );
+        }
+    }
+}
+
+#[test]
+fn cpu_projector_allocates_what_was_projected() {
+    check_projector(common::cpu, BackendKind::Cpu);
+}
+
+#[test]
+fn wgpu_projector_allocates_what_was_projected() {
+    if common::wgpu().is_none() {
+        eprintln!("skipped: no wgpu adapter");
+        return;
+    }
+    check_projector(
+        || tern::backend::wgpu::WgpuBackend::new().unwrap(),
+        BackendKind::Wgpu,
+    );
+}
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_projector_allocates_what_was_projected() {
+    let Some(be) = common::cuda() else {
+        return;
+    };
+    let emulated = be.dev.is_emulated();
+    check_projector(
+        || {
+            if emulated {
+                tern::backend::cuda::CudaBackend::emulated().unwrap()
+            } else {
+                tern::backend::cuda::CudaBackend::new().unwrap()
+            }
+        },
+        BackendKind::Cuda,
+    );
 }
 
 /// Each fixture with the LoRA adapters loaded on it (their pairs priced like weights, their

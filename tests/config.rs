@@ -122,6 +122,8 @@ fn bad_values_are_errors_naming_the_key() {
         ("spec-type: draft-eagle\n", "spec-type", "draft-eagle"),
         ("backend: tpu\n", "backend", "tpu"),
         ("temp: hot\n", "temp", "hot"),
+        ("image-max-tokens: many\n", "image-max-tokens", "many"),
+        ("image-min-tokens: 1.5\n", "image-min-tokens", "1.5"),
         (
             "lora-scaled: [a.gguf:0.5, b.gguf]\n",
             "lora-scaled[1]",
@@ -168,6 +170,11 @@ fn range_checks_name_the_key() {
         (
             "spec-draft-n-min: 3\nspec-draft-n-max: 2\n",
             "spec-draft-n-min",
+        ),
+        ("image-max-tokens: 1048577\n", "image-max-tokens"),
+        (
+            "image-min-tokens: 1024\nimage-max-tokens: 256\n",
+            "image-max-tokens",
         ),
     ] {
         let path = tmp("range.yaml");
@@ -530,4 +537,43 @@ fn api_keys_from_a_comma_list_and_a_file() {
         .unwrap_err()
         .to_string()
         .contains("/no/such/keys"));
+}
+
+/// `--image-min-tokens` / `--image-max-tokens` are llama-server's (flag, LLAMA_ARG_* variable,
+/// YAML key) and reach the planner's shape; 0 or less keeps the projector's own, as in
+/// llama.cpp.
+#[test]
+fn image_token_limits_from_every_source() {
+    let s = flags(&["--image-max-tokens", "256", "--image-min-tokens", "0"]);
+    assert_eq!(
+        (s.image_min_tokens, s.image_max_tokens),
+        (Some(0), Some(256))
+    );
+    let shape = s.shape();
+    assert_eq!(
+        (shape.image_min_tokens, shape.image_max_tokens),
+        (None, Some(256))
+    );
+    let env: BTreeMap<&str, &str> = BTreeMap::from([("LLAMA_ARG_IMAGE_MIN_TOKENS", "64")]);
+    let get = |k: &str| env.get(k).map(|v| v.to_string());
+    let (f, rw) = flags_and_rewrite(&["--image-max-tokens", "-1"]);
+    let src = Sources::gather(None, &get, f, rw).unwrap();
+    let r = src.resolve().unwrap();
+    assert_eq!(r.settings.image_token_limits(), (Some(64), None));
+    assert!(r.notes.is_empty(), "{:?}", r.notes);
+    let s = parse("image-max-tokens: 1024\nimage-min-tokens: 1024\n").unwrap();
+    assert_eq!(s.image_token_limits(), (Some(1024), Some(1024)));
+    // A maximum under a minimum from another source is refused naming where it came from.
+    let env: BTreeMap<&str, &str> = BTreeMap::from([("LLAMA_ARG_IMAGE_MIN_TOKENS", "512")]);
+    let get = |k: &str| env.get(k).map(|v| v.to_string());
+    let (f, rw) = flags_and_rewrite(&["--image-max-tokens", "100"]);
+    let e = Sources::gather(None, &get, f, rw)
+        .unwrap()
+        .resolve()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("--image-max-tokens") && e.contains("100") && e.contains("512"),
+        "{e}"
+    );
 }

@@ -15,8 +15,29 @@ use tern::tensor::GgmlType;
 
 /// The 3090's addressable memory (the driver's free figure).
 const BUDGET_MIB: u64 = 24_123;
-/// 9B projector (Q8_0 mmproj), bytes.
-const MMPROJ_9B: u64 = 624_229_664;
+/// The 9B's projector as a header-only Qwen3-VL tower (its geometry: width 1152, 27 layers,
+/// ff 4304, 16 heads, patch 16, a 48 × 48 position grid, a 4608-wide merger into n_embd
+/// 4096), Q8_0 matrices (ffn_down F16, as its rows are not whole blocks) beside F16 patch
+/// kernels and F32 norms, biases and positions: the
+/// deployment's 624,229,664-byte file also carries deepstack mergers, which a qwen35 model
+/// cannot use (and tern refuses), so this one is the part of it that runs.
+struct Tower {
+    width: u64,
+    layers: usize,
+    ff: u64,
+    heads: u64,
+    patch: u64,
+    image_size: u64,
+}
+
+const TOWER_9B: Tower = Tower {
+    width: 1152,
+    layers: 27,
+    ff: 4304,
+    heads: 16,
+    patch: 16,
+    image_size: 768,
+};
 
 struct Geo {
     name: &'static str,
@@ -196,11 +217,64 @@ fn write_model(g: &Geo) -> PathBuf {
     path
 }
 
-/// A sparse file of `len` bytes (projector, adapter): only its size matters to the planner.
-fn sparse_file(name: &str, len: u64) -> PathBuf {
+/// Writes (once per process, atomically) the header-only projector GGUF of `t` for a text
+/// model of width `n_embd`.
+fn write_mmproj(name: &str, t: &Tower, n_embd: u64) -> PathBuf {
+    let mut w = GgufWriter::new();
+    let u = |x: u64| Value::U32(x as u32);
+    let v = |k: &str| format!("clip.vision.{k}");
+    w.set("general.architecture", Value::String("clip".into()));
+    w.set(
+        "clip.projector_type",
+        Value::String("qwen3vl_merger".into()),
+    );
+    w.set("clip.has_vision_encoder", Value::Bool(true));
+    w.set("clip.use_gelu", Value::Bool(true));
+    w.set(&v("embedding_length"), u(t.width));
+    w.set(&v("feed_forward_length"), u(t.ff));
+    w.set(&v("block_count"), u(t.layers as u64));
+    w.set(&v("attention.head_count"), u(t.heads));
+    w.set(&v("attention.layer_norm_epsilon"), Value::F32(1e-6));
+    w.set(&v("patch_size"), u(t.patch));
+    w.set(&v("image_size"), u(t.image_size));
+    w.set(&v("projection_dim"), u(n_embd));
+    w.set(&v("spatial_merge_size"), u(2));
+    w.set(&v("image_mean"), Value::f32_array(&[0.5; 3]));
+    w.set(&v("image_std"), Value::f32_array(&[0.5; 3]));
+    let (e, p, q8, f16, f32) = (
+        t.width,
+        t.patch,
+        GgmlType::Q8_0,
+        GgmlType::F16,
+        GgmlType::F32,
+    );
+    let side = t.image_size / p;
+    w.add_sparse("v.patch_embd.weight", &[p, p, 3, e], f16);
+    w.add_sparse("v.patch_embd.weight.1", &[p, p, 3, e], f16);
+    w.add_sparse("v.patch_embd.bias", &[e], f32);
+    w.add_sparse("v.position_embd.weight", &[e, side * side], f32);
+    let mut wb = |name: &str, dims: &[u64], bias: u64, ty: GgmlType| {
+        w.add_sparse(&format!("{name}.weight"), dims, ty);
+        w.add_sparse(&format!("{name}.bias"), &[bias], f32);
+    };
+    for il in 0..t.layers {
+        let b = |s: &str| format!("v.blk.{il}.{s}");
+        wb(&b("ln1"), &[e], e, f32);
+        wb(&b("ln2"), &[e], e, f32);
+        wb(&b("attn_qkv"), &[e, 3 * e], 3 * e, q8);
+        wb(&b("attn_out"), &[e, e], e, q8);
+        wb(&b("ffn_up"), &[e, t.ff], t.ff, q8);
+        // 4304 is not a whole number of Q8_0 blocks: converters keep ffn_down in F16.
+        let down = if t.ff % 32 == 0 { q8 } else { f16 };
+        wb(&b("ffn_down"), &[t.ff, e], e, down);
+    }
+    wb("v.post_ln", &[e], e, f32);
+    wb("mm.0", &[4 * e, 4 * e], 4 * e, q8);
+    wb("mm.2", &[4 * e, n_embd], n_embd, q8);
     let path = dir().join(name);
-    let f = std::fs::File::create(&path).unwrap();
-    f.set_len(len).unwrap();
+    let tmp = dir().join(format!("{name}.{}", std::process::id()));
+    w.write(&tmp).unwrap();
+    std::fs::rename(&tmp, &path).unwrap();
     path
 }
 
@@ -214,7 +288,7 @@ fn model_27b() -> &'static Path {
 }
 fn mmproj_9b() -> &'static Path {
     static P: OnceLock<PathBuf> = OnceLock::new();
-    P.get_or_init(|| sparse_file("Ternary-Bonsai-2-9B-mmproj-Q8_0.gguf", MMPROJ_9B))
+    P.get_or_init(|| write_mmproj("Ternary-Bonsai-2-9B-mmproj-Q8_0.gguf", &TOWER_9B, B9.n_embd))
 }
 fn open(p: &Path) -> std::sync::Arc<Gguf> {
     std::sync::Arc::new(Gguf::open(p).unwrap())
@@ -244,8 +318,13 @@ fn shape(parallel: u64, slot: u64, k: KvType, v: KvType) -> Shape {
     }
 }
 
+/// Images of at most 768 tokens (examples/zealot.yaml): at llama.cpp's default 4,096 the
+/// encoder's worst case does not fit beside the rest of the seed's shape, and at 1,024 it does
+/// not with the adapter too.
+const SEED_IMAGE_MAX_TOKENS: u64 = 768;
+
 /// The seed's current shape: 3 × 200,704, f16 K + q8_0 V, MTP depth 2, batch 6144 / ubatch
-/// 1024, flash attention on, the Q8_0 projector.
+/// 1024, flash attention on, the Q8_0 projector with images of at most 768 tokens.
 fn seed_shape() -> Shape {
     Shape {
         spec: SpecType::DraftMtp,
@@ -253,6 +332,7 @@ fn seed_shape() -> Shape {
         ubatch_size: 1024,
         batch_size: 6144,
         mmproj: Some(mmproj_9b().to_path_buf()),
+        image_max_tokens: Some(SEED_IMAGE_MAX_TOKENS),
         backend: plan::BackendKind::Cuda,
         ..shape(3, 200_704, KvType::F16, KvType::Q8_0)
     }
@@ -418,6 +498,78 @@ fn weights_match_the_real_files() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The projector: priced before the fit check (the seeds' ~1.4 GiB went unpriced)
+
+#[test]
+fn prices_the_projector_weights_and_its_worst_case_encode() {
+    let pg = open(mmproj_9b());
+    let pos = pg.tensor("v.position_embd.weight").unwrap().nbytes;
+    let all: u64 = pg.tensors().iter().map(|t| t.nbytes).sum();
+    let with = |backend, max: Option<u64>| Shape {
+        mmproj: Some(mmproj_9b().to_path_buf()),
+        image_max_tokens: max,
+        backend,
+        ..shape(1, 4096, KvType::F16, KvType::F16)
+    };
+    // cuda: every tensor the tower uploads as stored (its norms and biases are F32 already);
+    // the position grid stays on the host, outside the device's budget.
+    let l = price(model_9b(), &with(plan::BackendKind::Cuda, None));
+    assert_eq!(l.bytes(Term::Projector), all - pos, "{}", l.table());
+    // The encode of the largest image the default 4096 tokens allow: 16,384 patches, replayed
+    // through the pool's power-of-two classes: im2col 48 MiB -> 64, the 72 MiB residual rows
+    // -> 128 (six live at the widest point: x, a temporary, a, rotated q and k, d), qkv 216
+    // -> 256, the MLP's two 269 MiB rows -> 512 each, the rotary table 4.5 -> 8, the GELU
+    // table 0.25, and a second 64 MiB class for the merger's output beside the im2col.
+    let vc = l.line(Term::VisionCompute).unwrap();
+    assert!(vc.estimated);
+    assert_mib(
+        vc.bytes,
+        64.0 + 6.0 * 128.0 + 256.0 + 2.0 * 512.0 + 8.0 + 0.25 + 64.0,
+        "vision compute, cuda, 4096 tokens",
+    );
+    // A smaller limit shrinks the encoder, never the weights.
+    let small = price(model_9b(), &with(plan::BackendKind::Cuda, Some(256)));
+    assert_eq!(small.bytes(Term::Projector), all - pos);
+    assert!(
+        small.bytes(Term::VisionCompute) * 8 < vc.bytes,
+        "{}",
+        small.table()
+    );
+    // cpu: read in place from the mapping, plus the decoded small weights and the grid.
+    let l = price(model_9b(), &with(plan::BackendKind::Cpu, None));
+    assert_eq!(l.part(Term::Projector, "mapped"), Some(all - pos));
+    assert_eq!(l.part(Term::Projector, "position"), Some(pos));
+    // The cpu heap's widest step: a layer's eight residual-wide rows and two MLP rows.
+    let widest = 16_384 * (8 * 1152 + 2 * 4304) * 4;
+    assert_eq!(l.part(Term::VisionCompute, "widest"), Some(widest));
+    // A maximum under the minimum is refused before anything is priced, naming both.
+    let mut bad = with(plan::BackendKind::Cuda, Some(100));
+    bad.image_min_tokens = Some(200);
+    let e = Ledger::price(&open(model_9b()), &bad)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("projector") && e.contains("100") && e.contains("200"),
+        "{e}"
+    );
+    // A projector for another text model is refused by the planner too.
+    let other = write_mmproj("mmproj-for-4096-wide-text.gguf", &TOWER_9B, 5120);
+    let e = Ledger::price(
+        &open(model_9b()),
+        &Shape {
+            mmproj: Some(other),
+            ..shape(1, 4096, KvType::F16, KvType::F16)
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("projection_dim = 5120") && e.contains("4096"),
+        "{e}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
 // The verdicts of memory-ledger.md on the 3090's 24,123 MiB
 
 #[test]
@@ -428,7 +580,8 @@ fn accepts_the_seed_shape() {
     assert_mib(l.bytes(Term::Kv), 14_406.00, "kv");
     assert_mib(l.bytes(Term::DraftKv), 2_352.00, "draft kv");
     assert_mib(l.bytes(Term::Recurrent), 452.25, "recurrent");
-    assert_eq!(l.bytes(Term::Projector), MMPROJ_9B);
+    assert!(l.bytes(Term::Projector) > 400 * MIB, "{}", f.table());
+    assert!(l.line(Term::VisionCompute).unwrap().estimated);
     assert!(l.line(Term::Compute).unwrap().estimated);
     assert!(l.line(Term::DraftCompute).unwrap().estimated);
     assert!(!l.line(Term::Kv).unwrap().estimated);
@@ -457,7 +610,45 @@ fn accepts_the_seed_shape() {
     let f = fit(&g, &s, &Budget::mib(BUDGET_MIB)).unwrap();
     assert_eq!(f.ledger.bytes(Term::Lora), want, "{}", f.table());
     assert!(want > 4_000_000 && want < 6_000_000);
-    assert!(f.verdict.fits);
+    println!("{}", f.table());
+    assert!(f.verdict.fits, "{}", f.table());
+}
+
+/// The seeds' trap: the projector charged after the fit. Priced first, the seed's shape with
+/// images of llama.cpp's default 4,096 tokens does not fit; the refusal offers a smaller
+/// --image-max-tokens (the largest that fits) and dropping the projector.
+#[test]
+fn refuses_the_seed_shape_with_4096_token_images() {
+    let g = open(model_9b());
+    let mut s = seed_shape();
+    s.image_max_tokens = None;
+    let budget = Budget::mib(BUDGET_MIB);
+    let f = fit(&g, &s, &budget).unwrap();
+    println!("{}", f.table());
+    assert!(!f.verdict.fits);
+    let images = f
+        .suggestions
+        .iter()
+        .find(|x| x.flags.starts_with("--image-max-tokens "))
+        .unwrap_or_else(|| panic!("no --image-max-tokens in\n{}", f.table()));
+    let n = images.shape.image_max_tokens.unwrap();
+    assert!(
+        images.fits && (SEED_IMAGE_MAX_TOKENS..4096).contains(&n),
+        "{n}"
+    );
+    assert_eq!(images.flags, format!("--image-max-tokens {n}"));
+    // The largest that fits: one more token would not.
+    let mut bigger = images.shape.clone();
+    bigger.image_max_tokens = Some(n + 1);
+    assert!(!fit(&g, &bigger, &budget).unwrap().verdict.fits);
+    let drop = f
+        .suggestions
+        .iter()
+        .find(|x| x.flags == "drop --mmproj")
+        .unwrap();
+    assert!(drop.fits && drop.saving > images.saving);
+    // Without a projector the same shape fits with room to spare: the projector is the cost.
+    assert!(drop.shape.mmproj.is_none());
 }
 
 #[test]
@@ -676,6 +867,7 @@ fn seed_settings() -> Settings {
     Settings {
         model: Some(model_9b().to_path_buf()),
         mmproj: Some(mmproj_9b().to_path_buf()),
+        image_max_tokens: Some(SEED_IMAGE_MAX_TOKENS as i64),
         ctx_size: Some(602_112),
         parallel: Some(3),
         cache_type_k: Some(KvType::F16),
@@ -702,7 +894,8 @@ fn fit_command_prints_the_table_and_the_verdict() {
         "2,352.00",
         "452.25",
         "compute*",
-        "595.31",
+        "581.79",
+        "vision compute*",
         "24,123.00",
         "FITS",
         "estimated",

@@ -105,6 +105,90 @@ fn token_grid_matches_llama_cpp() {
     }
 }
 
+/// `--image-min-tokens` / `--image-max-tokens` in the size rule: llama.cpp's grid for every
+/// case of limits.json (mtmd given those limits: large images under a small maximum, small ones
+/// under a large minimum, an upscale that overshoots min = max), and its refusal of a maximum
+/// under the minimum.
+#[test]
+fn token_limits_give_llama_cpp_grids() {
+    use tern::gguf::Gguf;
+    use tern::model::vision::VisionConfig;
+    let p = golden_dir().join("limits.json");
+    let doc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap();
+    let text = Gguf::open(vision_dir().join("tiny-vl-f32.gguf")).unwrap();
+    let n_embd = tern::model::Config::from_gguf(&text).unwrap().n_embd;
+    let proj = Gguf::open(vision_dir().join(doc["projector"].as_str().unwrap())).unwrap();
+    let base = VisionConfig::from_gguf(&proj, n_embd).unwrap();
+    let cases = doc["cases"].as_array().unwrap();
+    assert!(cases.len() >= 8, "{}", p.display());
+    let mut refused = 0;
+    for c in cases {
+        let file = c["image"].as_str().unwrap();
+        let limit = |k: &str| c[k].as_i64().filter(|&n| n > 0).map(|n| n as usize);
+        let mut cfg = base.clone();
+        let r = cfg.set_token_limits(limit("min_tokens"), limit("max_tokens"));
+        if c["refused"] == true {
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains("less than the minimum"), "{file}: {e}");
+            refused += 1;
+            continue;
+        }
+        r.unwrap();
+        let img =
+            tern::model::image::decode(&std::fs::read(vision_dir().join(file)).unwrap()).unwrap();
+        let (tw, th) = cfg.target_size(img.width, img.height);
+        assert_eq!(
+            [th / 32, tw / 32].map(|g| g as u64),
+            [
+                c["grid"][0].as_u64().unwrap(),
+                c["grid"][1].as_u64().unwrap()
+            ],
+            "{file} with min {} max {}",
+            c["min_tokens"],
+            c["max_tokens"]
+        );
+    }
+    assert_eq!(refused, 1);
+}
+
+/// The planner prices the encoder for `worst_case_tokens`: no image, however thin, gets more
+/// tokens through the size rule (a large minimum scales a thin image up past the maximum).
+#[test]
+fn no_image_exceeds_the_priced_worst_case() {
+    use tern::gguf::Gguf;
+    use tern::model::vision::VisionConfig;
+    let proj = Gguf::open(vision_dir().join("mmproj-f32.gguf")).unwrap();
+    let base = VisionConfig::from_gguf(&proj, 128).unwrap();
+    for (min, max) in [
+        (None, None),
+        (Some(64), Some(64)),
+        (Some(300), Some(300)),
+        (Some(1024), None),
+    ] {
+        let mut cfg = base.clone();
+        cfg.set_token_limits(min, max).unwrap();
+        let bound = cfg.worst_case_tokens();
+        let m = cfg.min_tokens;
+        let mut most = 0;
+        for w in [1, 2, 3, 5, 8, 13, 21, 31, 32, 33, 47, 64, 100] {
+            for h in (1..=(m + 1) * 32 + 64).step_by(3) {
+                let (tw, th) = cfg.target_size(w, h);
+                most = most.max((tw / 32) * (th / 32));
+            }
+        }
+        assert!(
+            most <= bound,
+            "min {min:?} max {max:?}: {most} tokens > {bound}"
+        );
+        if min.is_some() && min == max {
+            // The overshoot is real (limits.json has llama.cpp's 324 tokens at 300/300).
+            assert!(most > cfg.max_tokens, "min = max {max:?}: at most {most}");
+        }
+        eprintln!("min {min:?} max {max:?}: most {most}, priced for {bound}");
+    }
+}
+
 fn argmax(r: &[f32]) -> usize {
     (0..r.len()).fold(0, |b, i| if r[i] > r[b] { i } else { b })
 }

@@ -36,6 +36,11 @@ use crate::plan::{BackendKind, FlashAttn, KvType, Shape, SpecType};
 /// A config file larger than this is not a tern config (and reading `/dev/zero` must end).
 pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
 
+/// The most tokens `--image-min-tokens` / `--image-max-tokens` may name: llama.cpp multiplies
+/// them by the pixels of a merged token (1024 for Qwen-VL) into an `int`, so a larger value
+/// overflows there; 2^20 tokens is already a 32,768-pixel square.
+pub const MAX_IMAGE_TOKENS: u64 = 1 << 20;
+
 /// llama.cpp's thread-count ceiling (GGML_MAX_N_THREADS).
 pub const MAX_THREADS: i64 = 512;
 
@@ -411,6 +416,16 @@ pub struct Settings {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mmproj: Option<PathBuf>,
+    /// The fewest tokens an image is brought to (llama.cpp's size rule scales a smaller one
+    /// up); 0 or less keeps the projector's own (8 for Qwen-VL).
+    #[arg(long, allow_negative_numbers = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_min_tokens: Option<i64>,
+    /// The most tokens an image is brought to (a larger one is scaled down); 0 or less keeps
+    /// the projector's own (4096 for Qwen-VL). The planner prices the encoder for this size.
+    #[arg(long, allow_negative_numbers = true)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_max_tokens: Option<i64>,
     /// LoRA adapter and its scale as one token, FILE:SCALE (repeatable or comma-separated).
     /// `--lora FILE` is `--lora-scaled FILE:1`, in its place among them (the adapters' ids
     /// follow the command line's order, as llama-server numbers them).
@@ -920,6 +935,33 @@ impl Settings {
                 }
             }
         }
+        for (key, v) in [
+            ("image-min-tokens", self.image_min_tokens),
+            ("image-max-tokens", self.image_max_tokens),
+        ] {
+            if let Some(n) = v {
+                if n > MAX_IMAGE_TOKENS as i64 {
+                    return bad(
+                        key,
+                        format!(
+                            "{n} is more than {MAX_IMAGE_TOKENS} tokens (0 or less keeps the \
+                             projector's own limit)"
+                        ),
+                    );
+                }
+            }
+        }
+        if let (Some(lo), Some(hi)) = self.image_token_limits() {
+            if hi < lo {
+                return bad(
+                    "image-max-tokens",
+                    format!(
+                        "{hi} is less than image-min-tokens {lo} (llama.cpp refuses the \
+                         projector too: image_max_pixels is less than image_min_pixels)"
+                    ),
+                );
+            }
+        }
         if let (Some(lo), Some(hi)) = (self.spec_draft_n_min, self.spec_draft_n_max) {
             if lo > hi {
                 return bad(
@@ -984,6 +1026,13 @@ impl Settings {
         self.model.as_deref().ok_or(ConfigError::NoModel)
     }
 
+    /// `--image-min-tokens` / `--image-max-tokens` as set: `None` keeps the projector's own
+    /// (llama.cpp reads a value of 0 or less as unset too).
+    pub fn image_token_limits(&self) -> (Option<u64>, Option<u64>) {
+        let set = |v: Option<i64>| v.filter(|&n| n > 0).map(|n| n as u64);
+        (set(self.image_min_tokens), set(self.image_max_tokens))
+    }
+
     /// Slots (`-1`, auto, is one).
     pub fn slots_n(&self) -> u64 {
         match self.parallel {
@@ -1027,6 +1076,8 @@ impl Settings {
             ubatch_size: self.ubatch_size.unwrap_or(d.ubatch_size),
             batch_size: self.batch_size.unwrap_or(d.batch_size),
             mmproj: self.mmproj.clone(),
+            image_min_tokens: self.image_token_limits().0,
+            image_max_tokens: self.image_token_limits().1,
             lora: self.adapters().into_iter().map(|l| l.path).collect(),
             backend: self.backend_kind(),
             margin_mib: self.margin_mib.unwrap_or(d.margin_mib),
@@ -1406,6 +1457,8 @@ pub fn default_of(key: &str) -> &'static str {
         "drain-timeout" => "30",
         "max-connections" => "8192, at most the descriptor limit less 64",
         "header-timeout" => "30",
+        "image-min-tokens" => "the projector's own (8 for Qwen-VL)",
+        "image-max-tokens" => "the projector's own (4096 for Qwen-VL)",
         _ => "unset",
     }
 }

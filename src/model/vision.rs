@@ -6,7 +6,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::image::{self, ImageError, Rgb};
-use crate::backend::{Backend, BackendError, WeightSource};
+use crate::backend::{Backend, BackendError, Uploader, WeightSource};
 use crate::gguf::{Gguf, GgufError, TensorInfo};
 use crate::tensor::GgmlType;
 
@@ -63,6 +63,8 @@ pub enum VisionError {
         proj: usize,
         n_embd: usize,
     },
+    #[error("image tokens: the maximum {max} is less than the minimum {min} (--image-max-tokens / --image-min-tokens over the projector's own {DEFAULT_MIN_TOKENS}..{DEFAULT_MAX_TOKENS}); llama.cpp refuses this too (image_max_pixels is less than image_min_pixels)")]
+    TokenLimits { min: usize, max: usize },
     #[error(transparent)]
     Image(#[from] ImageError),
     #[error(transparent)]
@@ -119,23 +121,69 @@ struct Layer<W> {
     down: (W, W),
 }
 
+/// The tower's weights as an [`Uploader`] takes them: a backend's uploads, or the planner's
+/// prices of them (one walk of the file serves both, so the two cannot drift apart).
+struct Tower<W> {
+    patch: [W; 2],
+    /// The patch kernels' storage rounds the conv's im2col to f16 (ggml builds im2col in the
+    /// kernel's type).
+    patch_f16: bool,
+    patch_bias: W,
+    pre_ln: Option<Pair<W>>,
+    layers: Vec<Layer<W>>,
+    post_ln: Option<Pair<W>>,
+    mm0: Pair<W>,
+    mm2: Pair<W>,
+}
+
+impl<W> Tower<W> {
+    /// Every uploaded weight, in load order.
+    fn each(&self, mut f: impl FnMut(&W)) {
+        f(&self.patch[0]);
+        f(&self.patch[1]);
+        f(&self.patch_bias);
+        let layers = self
+            .layers
+            .iter()
+            .flat_map(|l| [&l.ln1, &l.ln2, &l.qkv, &l.out, &l.up, &l.down]);
+        for (w, b) in self
+            .pre_ln
+            .iter()
+            .chain(layers)
+            .chain(self.post_ln.iter())
+            .chain([&self.mm0, &self.mm2])
+        {
+            f(w);
+            f(b);
+        }
+    }
+}
+
 /// A loaded projector on backend `B`.
 pub struct Projector<B: Backend> {
     pub cfg: VisionConfig,
     pub file: Arc<Gguf>,
-    patch: [B::W; 2],
-    /// The patch kernels' storage rounds the conv's im2col to f16 (ggml builds im2col in the
-    /// kernel's type).
-    patch_f16: bool,
-    patch_bias: B::W,
+    w: Tower<B::W>,
     /// The learned position grid, `[pos_side²][width]`, kept on the host: it is interpolated
     /// to each image's grid there.
     pos: Vec<f32>,
-    pre_ln: Option<(B::W, B::W)>,
-    layers: Vec<Layer<B::W>>,
-    post_ln: Option<(B::W, B::W)>,
-    mm0: (B::W, B::W),
-    mm2: (B::W, B::W),
+}
+
+/// A projector's hparams and its weights as `up` takes them, walked as [`Projector::load`]
+/// walks them: the planner prices a projector through this with a backend's allocation rule.
+/// The position grid stays on the host ([`VisionConfig::pos_grid_bytes`]).
+pub fn upload_weights<U: Uploader>(
+    up: &U,
+    file: &Arc<Gguf>,
+    n_embd: usize,
+) -> Result<(VisionConfig, Vec<U::W>), VisionError>
+where
+    U::W: Clone,
+{
+    let (cfg, tower, _) = load_tower(up, file, n_embd)?;
+    let mut out = Vec::new();
+    tower.each(|w| out.push(w.clone()));
+    Ok((cfg, out))
 }
 
 fn path_of(file: &Gguf) -> String {
@@ -354,6 +402,64 @@ impl VisionConfig {
         Ok(cfg)
     }
 
+    /// Applies `--image-min-tokens` / `--image-max-tokens` over the projector's own limits, as
+    /// llama.cpp's `set_limit_image_tokens` does (`None` keeps the projector's); a maximum
+    /// under the minimum is refused as llama.cpp refuses it.
+    pub fn set_token_limits(
+        &mut self,
+        min: Option<usize>,
+        max: Option<usize>,
+    ) -> Result<(), VisionError> {
+        let min = min.unwrap_or(DEFAULT_MIN_TOKENS);
+        let max = max.unwrap_or(DEFAULT_MAX_TOKENS);
+        if max < min {
+            return Err(VisionError::TokenLimits { min, max });
+        }
+        (self.min_tokens, self.max_tokens) = (min, max);
+        Ok(())
+    }
+
+    /// Merged tokens of the largest image the size rule lets through: `max_tokens`, or more
+    /// when a large `min_tokens` scales a thin image up, since the rule rounds each scaled side
+    /// up and does not re-check the maximum (llama.cpp gives a 300 x 300-token-limited 512 px
+    /// image 18 x 18 = 324 tokens). A side of `x = w·β/A` and `y = h·β/A` tokens with
+    /// `x·y = M` becomes `⌈x⌉·⌈y⌉ < M + 1 + x + y`; the branch is taken only while the
+    /// rounded area is under `M` tokens, which keeps `h/w` under `(M + ½)·A`, so
+    /// `y ≤ √(M·(M + ½)·A)`.
+    pub fn worst_case_tokens(&self) -> usize {
+        let m = self.min_tokens as f64;
+        let a = (self.patch * self.merge) as f64;
+        let overshoot = m + 2.0 + (m * (m + 0.5) * a).sqrt();
+        self.max_tokens.max(overshoot.ceil() as usize)
+    }
+
+    /// Patches in the largest image the size rule lets through (`merge²` per token).
+    pub fn max_patches(&self) -> usize {
+        self.worst_case_tokens()
+            .saturating_mul(self.merge * self.merge)
+    }
+
+    /// The merged-token grid `(rows, cols)` of a worst-case image: exactly
+    /// [`worst_case_tokens`](Self::worst_case_tokens) (an image of `cols·A x rows·A` pixels
+    /// keeps its size under the rule when that is `max_tokens`), as square as the count's
+    /// divisors allow.
+    pub fn worst_case_grid(&self) -> (usize, usize) {
+        let n = self.worst_case_tokens().max(1);
+        let rows = (1..=n.isqrt())
+            .rev()
+            .find(|r| n.is_multiple_of(*r))
+            .unwrap_or(1);
+        (rows, n / rows)
+    }
+
+    /// Bytes of the learned position grid the projector keeps on the host as f32.
+    pub fn pos_grid_bytes(&self) -> u64 {
+        (self.pos_side as u64)
+            .saturating_mul(self.pos_side as u64)
+            .saturating_mul(self.width as u64)
+            .saturating_mul(4)
+    }
+
     /// The pixel size an image of `width x height` is brought to (model-vision.md §2).
     pub fn target_size(&self, width: usize, height: usize) -> (usize, usize) {
         let a = self.patch * self.merge;
@@ -383,6 +489,130 @@ impl VisionConfig {
     }
 }
 
+/// Checks every tensor of the tower against the hparams and hands each weight to `up`; the
+/// position grid is returned unread.
+fn load_tower<U: Uploader>(
+    up: &U,
+    file: &Arc<Gguf>,
+    n_embd: usize,
+) -> Result<(VisionConfig, Tower<U::W>, WeightSource), VisionError> {
+    let mut cfg = VisionConfig::from_gguf(file, n_embd)?;
+    let path = path_of(file);
+
+    let (w, ff, p) = (cfg.width as u64, cfg.n_ff as u64, cfg.patch as u64);
+    let info = |name: &str| -> Result<TensorInfo, VisionError> {
+        file.tensor(name)
+            .cloned()
+            .ok_or_else(|| VisionError::MissingTensor {
+                path: path.clone(),
+                name: name.into(),
+            })
+    };
+    let check = |name: &str, expected: &[u64]| -> Result<TensorInfo, VisionError> {
+        let t = info(name)?;
+        if t.dims != expected {
+            return Err(VisionError::BadShape {
+                path: path.clone(),
+                name: name.into(),
+                found: t.dims.clone(),
+                expected: expected.to_vec(),
+            });
+        }
+        if !matches!(
+            t.ty,
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0
+        ) {
+            return Err(VisionError::BadType {
+                path: path.clone(),
+                name: name.into(),
+                ty: t.ty,
+            });
+        }
+        Ok(t)
+    };
+    let upload = |t: TensorInfo| -> Result<U::W, VisionError> {
+        Ok(up.upload(&WeightSource {
+            file: file.clone(),
+            info: t,
+            fold: None,
+            inverse: None,
+        })?)
+    };
+    let wb = |name: &str, dims: &[u64], bias: &[u64]| -> Result<Pair<U::W>, VisionError> {
+        Ok((
+            upload(check(&format!("{name}.weight"), dims)?)?,
+            upload(check(&format!("{name}.bias"), bias)?)?,
+        ))
+    };
+    let ln = |name: &str| wb(name, &[w], &[w]);
+    let optional_ln = |name: &str| -> Result<Option<Pair<U::W>>, VisionError> {
+        if file.tensor(&format!("{name}.weight")).is_none() {
+            return Ok(None);
+        }
+        ln(name).map(Some)
+    };
+    // The conv kernels as matrices: one row of (channel, ky, kx) per output channel, the
+    // layout of the host im2col's rows.
+    let as_matrix = |mut t: TensorInfo| {
+        t.dims = vec![3 * p * p, w];
+        t
+    };
+    let k0 = as_matrix(check("v.patch_embd.weight", &[p, p, 3, w])?);
+    let k1 = as_matrix(check("v.patch_embd.weight.1", &[p, p, 3, w])?);
+    let patch_f16 = k0.ty != GgmlType::F32;
+    if k1.ty != k0.ty {
+        return Err(VisionError::BadType {
+            path: path.clone(),
+            name: "v.patch_embd.weight.1".into(),
+            ty: k1.ty,
+        });
+    }
+    let pos_info = info("v.position_embd.weight")?;
+    let n_pos = pos_info.dims.get(1).copied().unwrap_or(0);
+    let side = (n_pos as f64).sqrt().round() as u64;
+    if pos_info.dims.len() != 2 || pos_info.dims[0] != w || side * side != n_pos || side < 2 {
+        return Err(VisionError::BadShape {
+            path: path.clone(),
+            name: "v.position_embd.weight".into(),
+            found: pos_info.dims.clone(),
+            expected: vec![w, side.max(2) * side.max(2)],
+        });
+    }
+    cfg.pos_side = side as usize;
+    let pos = WeightSource {
+        file: file.clone(),
+        info: check("v.position_embd.weight", &[w, n_pos])?,
+        fold: None,
+        inverse: None,
+    };
+    let mut layers = Vec::with_capacity(cfg.n_layer);
+    for il in 0..cfg.n_layer {
+        let b = |s: &str| format!("v.blk.{il}.{s}");
+        layers.push(Layer {
+            ln1: ln(&b("ln1"))?,
+            ln2: ln(&b("ln2"))?,
+            qkv: wb(&b("attn_qkv"), &[w, 3 * w], &[3 * w])?,
+            out: wb(&b("attn_out"), &[w, w], &[w])?,
+            up: wb(&b("ffn_up"), &[w, ff], &[ff])?,
+            down: wb(&b("ffn_down"), &[ff, w], &[w])?,
+        });
+    }
+    let mm0_info = info("mm.0.weight")?;
+    let mid = mm0_info.dims.get(1).copied().unwrap_or(0);
+    let proj = cfg.proj_dim as u64;
+    let tower = Tower {
+        patch: [upload(k0)?, upload(k1)?],
+        patch_f16,
+        patch_bias: upload(check("v.patch_embd.bias", &[w])?)?,
+        pre_ln: optional_ln("v.pre_ln")?,
+        layers,
+        post_ln: optional_ln("v.post_ln")?,
+        mm0: wb("mm.0", &[4 * w, mid], &[mid])?,
+        mm2: wb("mm.2", &[mid, proj], &[proj])?,
+    };
+    Ok((cfg, tower, pos))
+}
+
 impl<B: Backend> Projector<B> {
     /// Opens and uploads a projector for a text model of width `n_embd`.
     pub fn open(be: &B, path: impl AsRef<Path>, n_embd: usize) -> Result<Self, VisionError> {
@@ -395,123 +625,27 @@ impl<B: Backend> Projector<B> {
     }
 
     pub fn load(be: &B, file: Arc<Gguf>, n_embd: usize) -> Result<Self, VisionError> {
-        let mut cfg = VisionConfig::from_gguf(&file, n_embd)?;
-        let path = path_of(&file);
-        let (w, ff, p) = (cfg.width as u64, cfg.n_ff as u64, cfg.patch as u64);
-        let info = |name: &str| -> Result<TensorInfo, VisionError> {
-            file.tensor(name)
-                .cloned()
-                .ok_or_else(|| VisionError::MissingTensor {
-                    path: path.clone(),
-                    name: name.into(),
-                })
-        };
-        let check = |name: &str, expected: &[u64]| -> Result<TensorInfo, VisionError> {
-            let t = info(name)?;
-            if t.dims != expected {
-                return Err(VisionError::BadShape {
-                    path: path.clone(),
-                    name: name.into(),
-                    found: t.dims.clone(),
-                    expected: expected.to_vec(),
-                });
-            }
-            if !matches!(
-                t.ty,
-                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 | GgmlType::Q8_0
-            ) {
-                return Err(VisionError::BadType {
-                    path: path.clone(),
-                    name: name.into(),
-                    ty: t.ty,
-                });
-            }
-            Ok(t)
-        };
-        let up = |t: TensorInfo| -> Result<B::W, VisionError> {
-            Ok(be.upload(&WeightSource {
-                file: file.clone(),
-                info: t,
-                fold: None,
-                inverse: None,
-            })?)
-        };
-        let wb = |name: &str, dims: &[u64], bias: &[u64]| -> Result<Pair<B::W>, VisionError> {
-            Ok((
-                up(check(&format!("{name}.weight"), dims)?)?,
-                up(check(&format!("{name}.bias"), bias)?)?,
-            ))
-        };
-        let ln = |name: &str| wb(name, &[w], &[w]);
-        let optional_ln = |name: &str| -> Result<Option<Pair<B::W>>, VisionError> {
-            if file.tensor(&format!("{name}.weight")).is_none() {
-                return Ok(None);
-            }
-            ln(name).map(Some)
-        };
-        // The conv kernels as matrices: one row of (channel, ky, kx) per output channel, the
-        // layout of the host im2col's rows.
-        let as_matrix = |mut t: TensorInfo| {
-            t.dims = vec![3 * p * p, w];
-            t
-        };
-        let k0 = as_matrix(check("v.patch_embd.weight", &[p, p, 3, w])?);
-        let k1 = as_matrix(check("v.patch_embd.weight.1", &[p, p, 3, w])?);
-        let patch_f16 = k0.ty != GgmlType::F32;
-        if k1.ty != k0.ty {
-            return Err(VisionError::BadType {
-                path: path.clone(),
-                name: "v.patch_embd.weight.1".into(),
-                ty: k1.ty,
-            });
-        }
-        let pos_info = info("v.position_embd.weight")?;
-        let n_pos = pos_info.dims.get(1).copied().unwrap_or(0);
-        let side = (n_pos as f64).sqrt().round() as u64;
-        if pos_info.dims.len() != 2 || pos_info.dims[0] != w || side * side != n_pos || side < 2 {
-            return Err(VisionError::BadShape {
-                path: path.clone(),
-                name: "v.position_embd.weight".into(),
-                found: pos_info.dims.clone(),
-                expected: vec![w, side.max(2) * side.max(2)],
-            });
-        }
-        cfg.pos_side = side as usize;
-        let pos = WeightSource {
-            file: file.clone(),
-            info: check("v.position_embd.weight", &[w, n_pos])?,
-            fold: None,
-            inverse: None,
-        }
-        .decoded()?;
-        let mut layers = Vec::with_capacity(cfg.n_layer);
-        for il in 0..cfg.n_layer {
-            let b = |s: &str| format!("v.blk.{il}.{s}");
-            layers.push(Layer {
-                ln1: ln(&b("ln1"))?,
-                ln2: ln(&b("ln2"))?,
-                qkv: wb(&b("attn_qkv"), &[w, 3 * w], &[3 * w])?,
-                out: wb(&b("attn_out"), &[w, w], &[w])?,
-                up: wb(&b("ffn_up"), &[w, ff], &[ff])?,
-                down: wb(&b("ffn_down"), &[ff, w], &[w])?,
-            });
-        }
-        let mm0_info = info("mm.0.weight")?;
-        let mid = mm0_info.dims.get(1).copied().unwrap_or(0);
-        let proj = cfg.proj_dim as u64;
+        let (cfg, w, pos) = load_tower(be, &file, n_embd)?;
         Ok(Projector {
-            patch: [up(k0)?, up(k1)?],
-            patch_f16,
-            patch_bias: up(check("v.patch_embd.bias", &[w])?)?,
-            pos,
-            pre_ln: optional_ln("v.pre_ln")?,
-            layers,
-            post_ln: optional_ln("v.post_ln")?,
-            mm0: wb("mm.0", &[4 * w, mid], &[mid])?,
-            mm2: wb("mm.2", &[mid, proj], &[proj])?,
             cfg,
+            w,
+            pos: pos.decoded()?,
             file,
         })
+    }
+
+    /// Sets `--image-min-tokens` / `--image-max-tokens` (`None` keeps the projector's own).
+    pub fn set_token_limits(
+        &mut self,
+        min: Option<usize>,
+        max: Option<usize>,
+    ) -> Result<(), VisionError> {
+        self.cfg.set_token_limits(min, max)
+    }
+
+    /// Every weight as uploaded (the boot ledger's projector line).
+    pub fn each_weight(&self, f: impl FnMut(&B::W)) {
+        self.w.each(f)
     }
 
     /// The tower over one prepared image: `[n_tokens, proj_dim]` embeddings in merged-token
@@ -523,16 +657,16 @@ impl<B: Backend> Projector<B> {
         let cols = self.im2col(img);
         let x0 = be.from_host(&cols, n, 3 * c.patch * c.patch);
         // Both time halves of the Conv3D see the one frame; ggml adds the two products.
-        let mut x = be.matmul(&self.patch[0], &x0);
-        be.add_assign(&mut x, &be.matmul(&self.patch[1], &x0));
-        be.add_bias(&mut x, &self.patch_bias);
+        let mut x = be.matmul(&self.w.patch[0], &x0);
+        be.add_assign(&mut x, &be.matmul(&self.w.patch[1], &x0));
+        be.add_bias(&mut x, &self.w.patch_bias);
         let pos = self.positions(gy, gx);
         be.add_assign(&mut x, &be.from_host(&pos, n, c.width));
-        if let Some((w, b)) = &self.pre_ln {
+        if let Some((w, b)) = &self.w.pre_ln {
             x = be.layer_norm(&x, w, b, c.eps);
         }
         let rope = crate::backend::vision_rope_table(gy, gx, c.head_dim, ROPE_THETA);
-        for l in &self.layers {
+        for l in &self.w.layers {
             let h = be.layer_norm(&x, &l.ln1.0, &l.ln1.1, c.eps);
             let mut qkv = be.matmul(&l.qkv.0, &h);
             be.add_bias(&mut qkv, &l.qkv.1);
@@ -547,15 +681,15 @@ impl<B: Backend> Projector<B> {
             be.add_bias(&mut d, &l.down.1);
             be.add_assign(&mut x, &d);
         }
-        if let Some((w, b)) = &self.post_ln {
+        if let Some((w, b)) = &self.w.post_ln {
             x = be.layer_norm(&x, w, b, c.eps);
         }
         // Four consecutive patches (one 2x2 block, in merge order) become one row.
         let merged = be.reshape(x, n / 4, 4 * c.width);
-        let mut m = be.matmul(&self.mm0.0, &merged);
-        be.add_bias(&mut m, &self.mm0.1);
-        let mut out = be.matmul(&self.mm2.0, &be.gelu(&m));
-        be.add_bias(&mut out, &self.mm2.1);
+        let mut m = be.matmul(&self.w.mm0.0, &merged);
+        be.add_bias(&mut m, &self.w.mm0.1);
+        let mut out = be.matmul(&self.w.mm2.0, &be.gelu(&m));
+        be.add_bias(&mut out, &self.w.mm2.1);
         out
     }
 
@@ -576,7 +710,7 @@ impl<B: Backend> Projector<B> {
                 }
             }
         }
-        if self.patch_f16 {
+        if self.w.patch_f16 {
             for v in &mut out {
                 *v = half::f16::from_f32(*v).to_f32();
             }

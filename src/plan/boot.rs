@@ -24,6 +24,13 @@ pub struct Allocated {
     pub checkpoint: u64,
     /// LoRA adapters' pairs, as the weights.
     pub lora: u64,
+    /// The projector's weights as uploaded (and, on the cpu, its host position grid).
+    pub projector: u64,
+    /// The peak of one encode of the worst-case image; `None` when no projector is loaded or
+    /// nothing could measure it.
+    pub vision_compute: Option<u64>,
+    /// How `vision_compute` was measured.
+    pub vision_how: String,
     /// Activations and scratch at the warm-up's peak; `None` when nothing could measure them
     /// (a CPU run without the counting allocator).
     pub compute: Option<u64>,
@@ -71,7 +78,69 @@ pub fn rows(ledger: &Ledger, a: &Allocated) -> Vec<BootRow> {
         rule: "bound",
         ok: a.compute.is_none_or(|c| c <= projected),
     });
+    if ledger.line(Term::Projector).is_some() || a.projector > 0 {
+        out.push(exact(Term::Projector, a.projector));
+        let projected = ledger.bytes(Term::VisionCompute);
+        out.push(BootRow {
+            term: Term::VisionCompute.name(),
+            projected,
+            allocated: a.vision_compute,
+            rule: "bound",
+            ok: a.vision_compute.is_none_or(|c| c <= projected),
+        });
+    }
     out
+}
+
+/// The projector's lines as allocated: its weights as the backend holds them (plus, on the
+/// cpu, the host position grid), and the compute of one encode of the worst-case image (the
+/// largest `--image-max-tokens` allows: black pixels, the size does the pricing) measured
+/// over that encode: the heap's peak growth on the cpu, the buffer pool's growth on a GPU,
+/// where the buffers it leaves in the pool are the ones later images draw from.
+pub fn projector_allocated<B: crate::backend::Backend>(
+    be: &B,
+    proj: &crate::model::vision::Projector<B>,
+) -> (u64, Option<u64>, String) {
+    let mut t = crate::backend::WeightTally::default();
+    proj.each_weight(|w| t.add(be.weight_bytes(w)));
+    let pooled = be.compute_bytes();
+    let host_grid = if pooled.is_none() {
+        proj.cfg.pos_grid_bytes()
+    } else {
+        0
+    };
+    let weights = t.total().saturating_add(host_grid);
+    let (rows, cols) = proj.cfg.worst_case_grid();
+    let a = proj.cfg.patch * proj.cfg.merge;
+    let heap = crate::alloc::mark();
+    let out = {
+        let img = crate::model::vision::Prepared {
+            width: cols * a,
+            height: rows * a,
+            pixels: vec![0.0; 3 * rows * cols * a * a],
+        };
+        let out = proj.encode(be, &img);
+        // Reading the rows back finishes the encode on a device.
+        be.to_host(&out).len()
+    };
+    std::hint::black_box(out);
+    let measured = match (pooled, be.compute_bytes()) {
+        (Some(before), Some(after)) => (
+            Some(after.saturating_sub(before)),
+            format!(
+                "{}'s buffer pool growth over one {rows} x {cols}-token encode",
+                be.name()
+            ),
+        ),
+        _ => match crate::alloc::peak_since(heap) {
+            Some(p) => (
+                Some(p),
+                format!("the heap's peak growth over one {rows} x {cols}-token encode"),
+            ),
+            None => (None, "not measured (no counting allocator)".to_string()),
+        },
+    };
+    (weights, measured.0, measured.1)
 }
 
 /// Whether every term agrees with its projection.
@@ -104,6 +173,9 @@ pub fn table(ledger: &Ledger, a: &Allocated) -> String {
         );
     }
     let _ = writeln!(s, "  compute measured: {}", a.compute_how);
+    if !a.vision_how.is_empty() {
+        let _ = writeln!(s, "  vision compute measured: {}", a.vision_how);
+    }
     s
 }
 

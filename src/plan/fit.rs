@@ -253,6 +253,38 @@ fn suggest(
         let mut s = shape.clone();
         s.mmproj = None;
         cands.push(("no projector".into(), "drop --mmproj".into(), s));
+        // The largest image-token limit that fits (the encoder's worst case shrinks with it),
+        // or the smallest the minimum allows when none does.
+        use crate::model::vision::{DEFAULT_MAX_TOKENS, DEFAULT_MIN_TOKENS};
+        let lo = shape.image_min_tokens.unwrap_or(DEFAULT_MIN_TOKENS as u64);
+        let cur = shape.image_max_tokens.unwrap_or(DEFAULT_MAX_TOKENS as u64);
+        let with_max = |t: u64| {
+            let mut s = shape.clone();
+            s.image_max_tokens = Some(t);
+            s
+        };
+        let fits_at = |t: u64| needed(g, cfg, &with_max(t), budget).is_some_and(|(_, f)| f);
+        if lo < cur {
+            let best = if fits_at(lo) {
+                let (mut a, mut b) = (lo, cur - 1);
+                while a < b {
+                    let mid = a + (b - a).div_ceil(2);
+                    if fits_at(mid) {
+                        a = mid;
+                    } else {
+                        b = mid - 1;
+                    }
+                }
+                a
+            } else {
+                lo
+            };
+            cands.push((
+                format!("smaller images (at most {} tokens each)", count(best)),
+                format!("--image-max-tokens {best}"),
+                with_max(best),
+            ));
+        }
     }
     if !shape.lora.is_empty() {
         let mut s = shape.clone();

@@ -20,7 +20,9 @@
 //! - **checkpoint**: one more recurrent state per slot, held at the end of the last prompt for
 //!   prefix reuse.
 //! - **compute / draft compute**: estimated, see [`compute`].
-//! - **projector**, **lora**: the files' sizes.
+//! - **projector**: the projector's weights as the backend stores them (walked by its own
+//!   loader); **vision compute**: the worst-case encode, see [`vision`].
+//! - **lora**: the adapters' pairs as the backend stores them.
 //!
 //! The margin is not a term: a shape fits when `total + margin <= budget`. After boot,
 //! [`boot`] sets what the engine allocated beside this projection.
@@ -30,6 +32,7 @@ mod compute;
 mod fit;
 mod price;
 mod table;
+mod vision;
 
 pub use boot::Allocated;
 pub use compute::{ATTN_TILE, GDN_CHUNK};
@@ -205,6 +208,10 @@ pub struct Shape {
     pub batch_size: u64,
     /// The vision projector file (`--mmproj`).
     pub mmproj: Option<PathBuf>,
+    /// `--image-min-tokens` / `--image-max-tokens`; `None` keeps the projector's own. The
+    /// encoder is priced for the largest image the maximum allows.
+    pub image_min_tokens: Option<u64>,
+    pub image_max_tokens: Option<u64>,
     /// LoRA adapter files (the FILE part of `--lora-scaled FILE:SCALE`).
     pub lora: Vec<PathBuf>,
     pub backend: BackendKind,
@@ -227,6 +234,8 @@ impl Default for Shape {
             ubatch_size: 512,
             batch_size: 2048,
             mmproj: None,
+            image_min_tokens: None,
+            image_max_tokens: None,
             lora: Vec::new(),
             backend: BackendKind::Auto,
             margin_mib: DEFAULT_MARGIN_MIB,
@@ -363,6 +372,12 @@ pub enum PlanError {
         model: PathBuf,
         n_nextn: usize,
         block: String,
+    },
+    #[error("the projector (--mmproj) {}: {source}", path.display())]
+    Projector {
+        path: PathBuf,
+        #[source]
+        source: Box<crate::model::vision::VisionError>,
     },
     #[error("{what} {}: {source}", path.display())]
     File {

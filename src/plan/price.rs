@@ -25,6 +25,7 @@ pub enum Term {
     Compute,
     DraftCompute,
     Projector,
+    VisionCompute,
     Lora,
 }
 
@@ -39,6 +40,7 @@ impl Term {
             Term::Compute => "compute",
             Term::DraftCompute => "draft compute",
             Term::Projector => "projector",
+            Term::VisionCompute => "vision compute",
             Term::Lora => "lora",
         }
     }
@@ -159,18 +161,9 @@ impl Ledger {
             lines.push(dc);
         }
         if let Some(p) = &shape.mmproj {
-            let bytes = file_size("projector", p)?;
-            lines.push(Line {
-                term: Term::Projector,
-                bytes,
-                detail: format!(
-                    "{}: {} B as stored (the vision encoder's activations are not priced yet)",
-                    p.display(),
-                    count(bytes)
-                ),
-                estimated: false,
-                parts: Vec::new(),
-            });
+            let (weights, compute) = projector(p, cfg, shape)?;
+            lines.push(weights);
+            lines.push(compute);
         }
         lines.extend(lora_line);
         Ok(Ledger {
@@ -345,6 +338,78 @@ fn weights(
         estimated: false,
         parts,
     })
+}
+
+/// The projector's weights as the backend takes them (walked by its loader, as the text
+/// weights are) and the worst-case compute of one encode at the shape's image-token limits.
+fn projector(p: &Path, cfg: &Config, shape: &Shape) -> Result<(Line, Line), PlanError> {
+    use crate::model::vision::{self, VisionError};
+    file_size("projector", p)?;
+    let err = |source: VisionError| PlanError::Projector {
+        path: p.to_path_buf(),
+        source: Box::new(source),
+    };
+    let file = Gguf::open(p).map(Arc::new).map_err(|source| {
+        err(VisionError::Gguf {
+            path: p.display().to_string(),
+            source,
+        })
+    })?;
+    let rule = Pricer(weight_rule(shape.backend));
+    let (mut vcfg, priced) = vision::upload_weights(&rule, &file, cfg.n_embd).map_err(err)?;
+    let limit = |t: Option<u64>| t.map(|t| usize::try_from(t).unwrap_or(usize::MAX));
+    vcfg.set_token_limits(limit(shape.image_min_tokens), limit(shape.image_max_tokens))
+        .map_err(err)?;
+    let mut t = WeightTally::default();
+    for b in priced {
+        t.add(b);
+    }
+    let mut parts = Vec::new();
+    if t.mapped > 0 {
+        parts.push(("mapped from the file".to_string(), t.mapped));
+    }
+    parts.push(("allocated by the backend".to_string(), t.owned));
+    let host_grid = matches!(shape.backend, BackendKind::Cpu | BackendKind::Auto);
+    if host_grid {
+        parts.push((
+            "position grid (host f32)".to_string(),
+            vcfg.pos_grid_bytes(),
+        ));
+    }
+    let bytes = parts.iter().fold(0u64, |a, (_, b)| a.saturating_add(*b));
+    let weights = Line {
+        term: Term::Projector,
+        bytes,
+        detail: format!(
+            "{}: {} uses of {} tensors ({} B as stored), {} layers × width {}; {}",
+            p.display(),
+            t.count,
+            file.tensors().len(),
+            count(file.tensors().iter().map(|t| t.nbytes).sum::<u64>()),
+            vcfg.n_layer,
+            vcfg.width,
+            if host_grid {
+                "cpu: stored rows read in place + f32 copies of small weights and the position grid"
+            } else {
+                "device copies + f32 copies of small weights"
+            }
+        ),
+        estimated: false,
+        parts,
+    };
+    let dims = |name: &str| {
+        file.tensor(name)
+            .map(|t| t.dims.clone())
+            .unwrap_or_default()
+    };
+    let enc = super::vision::Encoder {
+        mid: dims("mm.0.weight").get(1).copied().unwrap_or(0),
+        pre_ln: file.tensor("v.pre_ln.weight").is_some(),
+        post_ln: file.tensor("v.post_ln.weight").is_some(),
+        cfg: vcfg,
+    };
+    let compute = enc.line(shape.backend, rayon::current_num_threads() as u64);
+    Ok((weights, compute))
 }
 
 /// The adapters' pairs as the backend takes them: the loader checks each adapter against the

@@ -62,8 +62,19 @@ impl Shape {
         } else {
             "no drafting".into()
         };
+        let vision = match &self.mmproj {
+            Some(_) => {
+                use crate::model::vision::{DEFAULT_MAX_TOKENS, DEFAULT_MIN_TOKENS};
+                format!(
+                    "; projector, images of {}..{} tokens",
+                    self.image_min_tokens.unwrap_or(DEFAULT_MIN_TOKENS as u64),
+                    count(self.image_max_tokens.unwrap_or(DEFAULT_MAX_TOKENS as u64))
+                )
+            }
+            None => String::new(),
+        };
         format!(
-            "{} slot{} × {} = pool {}; K {} / V {}; flash-attn {}; {}; ubatch {} (batch {}); backend {}",
+            "{} slot{} × {} = pool {}; K {} / V {}; flash-attn {}; {}; ubatch {} (batch {}); backend {}{vision}",
             self.parallel,
             if self.parallel == 1 { "" } else { "s" },
             count(self.n_ctx_slot()),
@@ -255,6 +266,8 @@ impl Fit {
                 "ubatch_size": sh.ubatch_size,
                 "batch_size": sh.batch_size,
                 "mmproj": sh.mmproj.as_ref().map(|p| p.display().to_string()),
+                "image_min_tokens": sh.image_min_tokens,
+                "image_max_tokens": sh.image_max_tokens,
                 "lora": sh.lora.iter().map(|p| p.display().to_string()).collect::<Vec<_>>(),
                 "backend": sh.backend,
                 "margin_mib": sh.margin_mib,

@@ -11,7 +11,9 @@ token batches, the image as an embedding batch at mtmd's M-RoPE positions, every
 Flash attention is off in the tower and the text model (it casts K/V to F16: model-vision.md §3)
 and the KV cache is F32.
 
-Writes fixtures/golden/vision/<projector>.<image>.embd.npy, .logits.npy and manifest.json.
+Writes fixtures/golden/vision/<projector>.<image>.embd.npy, .logits.npy and manifest.json, and
+limits.json: the token grid mtmd gives each LIMITS case under custom --image-min-tokens /
+--image-max-tokens (`--limits-only` writes just that).
 """
 from __future__ import annotations
 
@@ -149,6 +151,107 @@ def worker(job: dict) -> dict:
     return out
 
 
+# (image, --image-min-tokens, --image-max-tokens): llama.cpp's token grid under custom limits
+# (0 keeps the projector's own 8..4096). Large images under a small maximum, small ones under a
+# large minimum, min = max where the upscale overshoots the maximum (the rule does not re-check
+# it), and a maximum under the projector's minimum (refused).
+LIMITS = [
+    ("red-512.png", 0, 10),
+    ("red-512.png", 0, 64),
+    ("grad-200x120.gif", 0, 16),
+    ("grad-200x120.gif", 0, 7),
+    ("wide-100x37.jpg", 64, 0),
+    ("noise-96.png", 64, 0),
+    ("tall-45x70.webp", 1024, 2048),
+    ("red-512.png", 300, 300),
+]
+
+
+def limits_worker(job: dict) -> dict:
+    import llama_cpp
+    from llama_cpp import llama_cpp as C
+    from llama_cpp import mtmd_cpp as M
+
+    llama_cpp.llama_backend_init()
+    model = C.llama_model_load_from_file(job["model"].encode(), C.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"cannot load {job['model']}")
+    out = []
+    for c in job["cases"]:
+        mparams = M.mtmd_context_params_default()
+        mparams.use_gpu = False
+        mparams.n_threads = 2
+        mparams.warmup = False
+        mparams.image_min_tokens = c["min_tokens"]
+        mparams.image_max_tokens = c["max_tokens"]
+        mctx = M.mtmd_init_from_file(job["mmproj"].encode(), model, mparams)
+        img = Path(c["path"])
+        if not mctx:
+            # A maximum under the minimum (the projector's 8 when unset): mtmd refuses it.
+            out.append({"image": img.name, "min_tokens": c["min_tokens"],
+                        "max_tokens": c["max_tokens"], "refused": True})
+            continue
+        raw = Path(str(img) + ".rgb")
+        if raw.exists():
+            data = raw.read_bytes()
+            buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+            bmp = M.mtmd_bitmap_init(c["width"], c["height"], buf)
+        else:
+            bmp = M.mtmd_helper_bitmap_init_from_file(mctx, str(img).encode(), False)
+        chunks = M.mtmd_input_chunks_init()
+        text = M.mtmd_input_text()
+        text.text = b"<__media__>"
+        text.text_len = len(text.text)
+        text.add_special = False
+        text.parse_special = True
+        bitmaps = (M.mtmd_bitmap_p_ctypes * 1)(bmp)
+        if M.mtmd_tokenize(mctx, chunks, ctypes.byref(text), bitmaps, 1) != 0:
+            raise RuntimeError("mtmd_tokenize failed")
+        for i in range(M.mtmd_input_chunks_size(chunks)):
+            ch = M.mtmd_input_chunks_get(chunks, i)
+            if M.mtmd_input_chunk_get_type(ch) != M.MTMD_INPUT_CHUNK_TYPE_TEXT:
+                it = M.mtmd_input_chunk_get_tokens_image(ch)
+                gx, gy = M.mtmd_image_tokens_get_nx(it), M.mtmd_image_tokens_get_ny(it)
+                out.append({"image": img.name, "min_tokens": c["min_tokens"],
+                            "max_tokens": c["max_tokens"], "grid": [gy, gx],
+                            "n_image_tokens": int(M.mtmd_input_chunk_get_n_tokens(ch))})
+        M.mtmd_bitmap_free(bmp)
+        M.mtmd_input_chunks_free(chunks)
+        M.mtmd_free(mctx)
+    C.llama_model_free(model)
+    return {"cases": out}
+
+
+def record_limits(vdir: Path, man: dict, out: Path, tmp: Path) -> None:
+    """Writes limits.json: mtmd's token grid for LIMITS (the grid needs no encode)."""
+    images = {i["file"]: i for i in man["images"]}
+    job = {"model": str(vdir / man["text_model"]["file"]),
+           "mmproj": str(vdir / man["projectors"][0]["file"]),
+           "cases": [{"path": str(vdir / f), "width": images[f]["width"],
+                      "height": images[f]["height"], "min_tokens": lo, "max_tokens": hi}
+                     for f, lo, hi in LIMITS],
+           "result": str(tmp / "limits.json"), "kind": "limits"}
+    jp = tmp / "limits.job.json"
+    jp.write_text(json.dumps(job))
+    p = subprocess.run([sys.executable, __file__, "--_worker", str(jp)],
+                       capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr[-4000:])
+        raise SystemExit(f"llama.cpp failed on the token-limit cases (exit {p.returncode})")
+    r = json.loads(Path(job["result"]).read_text())
+    import llama_cpp
+    for c in r["cases"]:
+        print(f"limits {c['image']:<18} min {c['min_tokens']:>4} max {c['max_tokens']:>4} "
+              f"grid {c.get('grid', 'refused')}")
+    doc = {"generator": "cargo xtask goldens (xtask/py/vision_goldens.py, LIMITS)",
+           "llama_cpp_python": llama_cpp.__version__,
+           "projector": man["projectors"][0]["file"],
+           "note": "mtmd_context_params.image_min_tokens / image_max_tokens (0: the "
+                   "projector's own); grid is [rows, cols] of merged tokens",
+           "cases": r["cases"]}
+    (out / "limits.json").write_text(json.dumps(doc, indent=2) + "\n")
+
+
 def sha256_file(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -157,11 +260,14 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--fixtures", default="fixtures")
     ap.add_argument("--out", default="fixtures/golden/vision")
+    ap.add_argument("--limits-only", action="store_true",
+                    help="only limits.json (the token grids under custom limits)")
     ap.add_argument("--_worker")
     a = ap.parse_args()
     if a._worker:
         job = json.loads(Path(a._worker).read_text())
-        Path(job["result"]).write_text(json.dumps(worker(job)))
+        run = limits_worker if job.get("kind") == "limits" else worker
+        Path(job["result"]).write_text(json.dumps(run(job)))
         return
     vdir = Path(a.fixtures) / "vision"
     man = json.loads((vdir / "manifest.json").read_text())
@@ -169,6 +275,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path("target/vision-goldens")
     tmp.mkdir(parents=True, exist_ok=True)
+    record_limits(vdir, man, out, tmp)
+    if a.limits_only:
+        return
     model = vdir / man["text_model"]["file"]
     cases = []
     for proj in man["projectors"]:

@@ -2,6 +2,7 @@
 
 mod bench;
 mod bench_lora;
+mod bench_vision;
 mod fixtures;
 mod fold;
 mod fuzz;
@@ -45,6 +46,10 @@ const USAGE: &str = "usage: cargo xtask <task>
                         device's copy bandwidth measured in the same run (cuda needs
                         `cargo run --release -p xtask --features cuda -- bench ...`)
   bench --kernels       single-thread dot_row throughput per weight type
+  bench --vision [--no-llama] [--runs N] [--model F] [--mmproj F] [--image F]
+                        image tokens/s of one encode on the CPU, tern vs llama.cpp (mtmd, the
+                        Python binding) on the same projector and image (default: the fixtures'
+                        tiny-vl model, its Q8_0 projector and the 512 px solid red PNG)
   bench --engine [--wgpu] [--schema-only] [--decode N] [FILE]
                         the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on,
                         f16 V under a JSON schema (--schema-only: only f16 V, with and without)
@@ -230,6 +235,30 @@ fn main() -> Result<()> {
                     }
                 }
                 return bench_lora::lora_cost(&file, backend, rank, 32);
+            }
+            if args[1..].iter().any(|a| a == "--vision") {
+                let mut v = bench_vision::Options::fixtures(&root, python());
+                let mut it = args[1..].iter().filter(|a| *a != "--vision");
+                while let Some(a) = it.next() {
+                    let mut path = |flag: &str| match it.next() {
+                        Some(p) => Ok(PathBuf::from(p)),
+                        None => bail!("{flag} needs a file\n{USAGE}"),
+                    };
+                    match a.as_str() {
+                        "--no-llama" => v.llama = false,
+                        "--model" => v.model = path("--model")?,
+                        "--mmproj" => v.mmproj = path("--mmproj")?,
+                        "--image" => v.image = path("--image")?,
+                        "--runs" => {
+                            v.runs = match it.next().map(|s| s.parse::<usize>()) {
+                                Some(Ok(n)) if n > 0 => n,
+                                _ => bail!("--runs needs a positive number\n{USAGE}"),
+                            }
+                        }
+                        other => bail!("bench --vision: unknown option {other}\n{USAGE}"),
+                    }
+                }
+                return bench_vision::run(&root, &v);
             }
             if args[1..].iter().any(|a| a == "--engine") {
                 let mut rest: Vec<&String> =
