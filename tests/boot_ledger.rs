@@ -129,8 +129,8 @@ fn check<B: Backend + 'static>(
 
 /// The projector's lines: its weights as uploaded to the byte, and one encode of the largest
 /// image `--image-max-tokens` allows within the vision compute projected for it. Each fixture
-/// projector (F32, F16, Q8_0) at two limits (64 and 300 tokens: 256 and 1,200 patches, an
-/// 8 x 8 and a 15 x 20 token grid).
+/// projector (F32, F16, Q8_0) at two limits (64 and 150 tokens: 256 and 600 patches, an
+/// 8 x 8 and a 10 x 15 token grid).
 fn check_projector<B: Backend>(mk: impl Fn() -> B, kind: BackendKind) {
     use tern::model::vision::Projector;
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
@@ -139,7 +139,7 @@ fn check_projector<B: Backend>(mk: impl Fn() -> B, kind: BackendKind) {
     let g = Arc::new(Gguf::open(dir.join("tiny-vl-f32.gguf")).unwrap());
     let n_embd = tern::model::Config::from_gguf(&g).unwrap().n_embd;
     for file in ["mmproj-f32.gguf", "mmproj-f16.gguf", "mmproj-q8_0.gguf"] {
-        for max_tokens in [64u64, 300] {
+        for max_tokens in [64u64, 150] {
             let shape = tern::plan::Shape {
                 ctx_size: 256,
                 mmproj: Some(dir.join(file)),

@@ -542,6 +542,15 @@ fn prices_the_projector_weights_and_its_worst_case_encode() {
     // The cpu heap's widest step: a layer's eight residual-wide rows and two MLP rows.
     let widest = 16_384 * (8 * 1152 + 2 * 4304) * 4;
     assert_eq!(l.part(Term::VisionCompute, "widest"), Some(widest));
+    // An absurd limit prices as a huge (refused) figure, never a wrapped or panicking one.
+    for backend in [plan::BackendKind::Cuda, plan::BackendKind::Cpu] {
+        let huge = price(model_9b(), &with(backend, Some(u64::MAX)));
+        assert!(
+            huge.bytes(Term::VisionCompute) > 1 << 50,
+            "{}",
+            huge.table()
+        );
+    }
     // A maximum under the minimum is refused before anything is priced, naming both.
     let mut bad = with(plan::BackendKind::Cuda, Some(100));
     bad.image_min_tokens = Some(200);

@@ -74,7 +74,7 @@ impl Encoder {
                 let base = m(&[n, 2 * w + hd, F32]);
                 let layer = m(&[n, 8 * w + 2 * ff, F32]);
                 let merger = m(&[n / 4, 2 * mid + proj, F32]);
-                let scratch = m(&[2, threads, CPU_ATTN_TB * n + CPU_ATTN_TB * hd, F32]);
+                let scratch = m(&[2, threads, CPU_ATTN_TB, n.saturating_add(hd), F32]);
                 let tiles = m(&[2, threads, CPU_GEMM_TILE, F32]);
                 vec![
                     ("pixels and im2col".into(), input),
@@ -109,17 +109,19 @@ impl Encoder {
     /// What the GPU buffer pool grows to over one encode, replayed allocation by allocation.
     fn pool_replay(&self) -> u64 {
         let (n, k, w, ff, hd, mid, proj) = self.widths();
+        // Bytes of `rows x cols` f32, saturating: the limits come from the user.
+        let f = |rows: u64, cols: u64| rows.saturating_mul(cols).saturating_mul(F32);
         let mut p = Pool::default();
         // The GELU table (65,536 f16 entries as f32), uploaded on the first use and kept.
-        p.take(65_536 * F32);
-        let x0 = p.take(n * k * F32);
-        let mut x = p.take(n * w * F32);
-        let t = p.take(n * w * F32);
+        p.take(f(1, 65_536));
+        let x0 = p.take(f(n, k));
+        let mut x = p.take(f(n, w));
+        let t = p.take(f(n, w));
         p.give(t);
-        let pos = p.take(n * w * F32);
+        let pos = p.take(f(n, w));
         p.give(pos);
         let norm = |p: &mut Pool, x: u64| {
-            let y = p.take(n * w * F32);
+            let y = p.take(f(n, w));
             p.give(x);
             y
         };
@@ -127,19 +129,19 @@ impl Encoder {
             x = norm(&mut p, x);
         }
         for _ in 0..self.cfg.n_layer {
-            let h = p.take(n * w * F32);
-            let qkv = p.take(3 * n * w * F32);
-            let a = p.take(n * w * F32);
-            let table = p.take(n * hd * F32);
-            let (qr, kr) = (p.take(n * w * F32), p.take(n * w * F32));
+            let h = p.take(f(n, w));
+            let qkv = p.take(f(n, 3 * w));
+            let a = p.take(f(n, w));
+            let table = p.take(f(n, hd));
+            let (qr, kr) = (p.take(f(n, w)), p.take(f(n, w)));
             for b in [table, qr, kr] {
                 p.give(b);
             }
-            let o = p.take(n * w * F32);
-            let h2 = p.take(n * w * F32);
-            let u = p.take(n * ff * F32);
-            let g = p.take(n * ff * F32);
-            let d = p.take(n * w * F32);
+            let o = p.take(f(n, w));
+            let h2 = p.take(f(n, w));
+            let u = p.take(f(n, ff));
+            let g = p.take(f(n, ff));
+            let d = p.take(f(n, w));
             for b in [g, h, qkv, a, o, h2, u, d] {
                 p.give(b);
             }
@@ -147,9 +149,9 @@ impl Encoder {
         if self.post_ln {
             x = norm(&mut p, x);
         }
-        let mm = p.take(n / 4 * mid * F32);
-        let g = p.take(n / 4 * mid * F32);
-        let out = p.take(n / 4 * proj * F32);
+        let mm = p.take(f(n / 4, mid));
+        let g = p.take(f(n / 4, mid));
+        let out = p.take(f(n / 4, proj));
         for b in [g, mm, out, x, x0] {
             p.give(b);
         }

@@ -125,8 +125,8 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
         println!(
             "{:<10} {:>8} {:>8} {:>14.2} {:>16.1} {:>8.3}",
             v["engine"].as_str().unwrap_or("?"),
-            v["threads"],
-            v["image_tokens"],
+            v["threads"].as_u64().unwrap_or(0),
+            v["image_tokens"].as_u64().unwrap_or(0),
             v["encode_ms_median"].as_f64().unwrap_or(f64::NAN),
             tps,
             anchor.map_or(f64::NAN, |a| tps / a)
