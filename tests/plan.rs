@@ -265,7 +265,7 @@ fn write_mmproj(name: &str, t: &Tower, n_embd: u64) -> PathBuf {
         wb(&b("attn_out"), &[e, e], e, q8);
         wb(&b("ffn_up"), &[e, t.ff], t.ff, q8);
         // 4304 is not a whole number of Q8_0 blocks: converters keep ffn_down in F16.
-        let down = if t.ff % 32 == 0 { q8 } else { f16 };
+        let down = if t.ff.is_multiple_of(32) { q8 } else { f16 };
         wb(&b("ffn_down"), &[t.ff, e], e, down);
     }
     wb("v.post_ln", &[e], e, f32);
