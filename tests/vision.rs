@@ -381,3 +381,234 @@ per_backend!(
     trunk_logits_from_llama_embeddings,
     embeddings_and_logits_match_llama_cpp
 );
+
+/// Images through the serving engine (CPU): the engine's output after an image is the model's
+/// own greedy continuation (the position lag, images fed in ubatch pieces), MTP drafting
+/// changes nothing across images, and prefix reuse keys on the image's bytes.
+mod engine_images {
+    use std::sync::Arc;
+
+    use super::vision_dir;
+    use tern::backend::{Backend, KvTypes};
+    use tern::gguf::Gguf;
+    use tern::model::vision::{Projector, VisionConfig, MEDIA_MARKER};
+    use tern::model::Model;
+    use tern::runtime::engine::{Engine, EngineConfig, Finish, PromptImage, Request};
+    use tern::runtime::media::prompt_with_images;
+    use tern::runtime::sampler::SamplerConfig;
+    use tern::runtime::speculative::SpecConfig;
+    use tern::tensor::GgmlType;
+    use tern::tokenizer::Tokenizer;
+
+    const PROJECTOR: &str = "mmproj-f32.gguf";
+
+    fn spec() -> Option<SpecConfig> {
+        Some(SpecConfig::default())
+    }
+
+    fn engine(spec: Option<SpecConfig>, ubatch: usize, projector: bool) -> Engine {
+        let g = Arc::new(Gguf::open(vision_dir().join("tiny-vl-f32.gguf")).unwrap());
+        let tok = Arc::new(Tokenizer::from_gguf(&g).unwrap());
+        let be = super::common::cpu();
+        let m = Model::load(&be, g).unwrap();
+        let cfg = EngineConfig {
+            ctx_size: 1024,
+            parallel: 1,
+            ubatch,
+            kv_types: KvTypes::default(),
+            draft_kv_types: KvTypes {
+                k: GgmlType::F16,
+                v: GgmlType::F16,
+            },
+            spec,
+        };
+        let p = projector.then(|| Arc::new(Gguf::open(vision_dir().join(PROJECTOR)).unwrap()));
+        Engine::start_full(m, be, tok, cfg, Default::default(), p).unwrap()
+    }
+
+    fn tokenizer() -> (Tokenizer, VisionConfig) {
+        let g = Gguf::open(vision_dir().join("tiny-vl-f32.gguf")).unwrap();
+        let p = Gguf::open(vision_dir().join(PROJECTOR)).unwrap();
+        let n_embd = tern::model::Config::from_gguf(&g).unwrap().n_embd;
+        (
+            Tokenizer::from_gguf(&g).unwrap(),
+            VisionConfig::from_gguf(&p, n_embd).unwrap(),
+        )
+    }
+
+    /// A 96x96 PNG (a 3x3 token grid, as noise-96.png) of another colour per `seed`.
+    fn png(seed: u8) -> Vec<u8> {
+        let img = image::RgbImage::from_fn(96, 96, |x, y| {
+            image::Rgb([seed, (x as u8).wrapping_mul(seed), (y as u8) ^ seed])
+        });
+        let mut out = std::io::Cursor::new(Vec::new());
+        img.write_to(&mut out, image::ImageFormat::Png).unwrap();
+        out.into_inner()
+    }
+
+    fn file(name: &str) -> Vec<u8> {
+        std::fs::read(vision_dir().join(name)).unwrap()
+    }
+
+    fn layout(prompt: &str, images: &[Vec<u8>]) -> (Vec<u32>, Vec<PromptImage>) {
+        let (tok, cfg) = tokenizer();
+        let bytes: Vec<&[u8]> = images.iter().map(Vec::as_slice).collect();
+        prompt_with_images(&tok, &cfg, prompt, MEDIA_MARKER, &bytes).unwrap()
+    }
+
+    fn text(s: &str) -> Vec<u32> {
+        tokenizer().0.encode(s, false, true).unwrap()
+    }
+
+    fn run(
+        e: &Engine,
+        prompt: &(Vec<u32>, Vec<PromptImage>),
+        n: usize,
+        cache: bool,
+    ) -> (Vec<u32>, Finish) {
+        let (ids, _, fin) = e
+            .submit(Request {
+                prompt: prompt.0.clone(),
+                images: prompt.1.clone(),
+                max_tokens: n,
+                sampler: SamplerConfig::greedy(),
+                ignore_eos: true,
+                cache_prompt: cache,
+                ..Default::default()
+            })
+            .collect()
+            .unwrap();
+        (ids, fin)
+    }
+
+    /// The model's greedy continuation, fed piece by piece as `tern logits` does.
+    fn reference(prompt: &str, images: &[Vec<u8>], n: usize) -> Vec<u32> {
+        use tern::model::vision::{tokenize_with_media, Piece};
+        let be = super::common::cpu();
+        let m = Model::open(&be, vision_dir().join("tiny-vl-f32.gguf")).unwrap();
+        let proj = Projector::open(&be, vision_dir().join(PROJECTOR), m.cfg.n_embd).unwrap();
+        let (tok, _) = tokenizer();
+        let mut st = m.new_state(&be);
+        let mut last = None;
+        for p in tokenize_with_media(&tok, prompt, images.len()).unwrap() {
+            last = Some(match p {
+                Piece::Text(t) => m.forward(&be, &mut st, &t, false).unwrap(),
+                Piece::Image(i) => {
+                    let img = proj.cfg.prepare(&images[i]).unwrap();
+                    let (r, c) = img.grid(&proj.cfg);
+                    let e = proj.encode(&be, &img);
+                    m.forward_image(&be, &mut st, &e, r, c, false).unwrap()
+                }
+            });
+        }
+        let mut out = vec![be.argmax_rows(&last.unwrap().logits)[0]];
+        while out.len() < n {
+            let o = m
+                .forward(&be, &mut st, &out[out.len() - 1..], false)
+                .unwrap();
+            out.push(be.argmax_rows(&o.logits)[0]);
+        }
+        out
+    }
+
+    const PROMPT: &str = "Look: <__media__> and <__media__>, then say";
+
+    /// Two images (a 3x3 and a 5x2 grid) fed 4 rows a step: the engine's tokens are the model's.
+    #[test]
+    fn engine_continues_as_the_model_does() {
+        let images = [file("noise-96.png"), file("wide-100x37.jpg")];
+        let want = reference(PROMPT, &images, 12);
+        let p = layout(PROMPT, &images);
+        for ubatch in [4, 512] {
+            let e = engine(None, ubatch, true);
+            let (got, fin) = run(&e, &p, 12, true);
+            assert_eq!(got, want, "ubatch {ubatch}");
+            assert_eq!(fin.prompt_tokens, p.0.len());
+        }
+    }
+
+    /// Greedy output is identical with MTP drafting on and off after images, and drafts were
+    /// made and checked after them.
+    #[test]
+    fn drafting_is_exact_across_images() {
+        let images = [file("noise-96.png"), file("wide-100x37.jpg")];
+        let p = layout(PROMPT, &images);
+        let (plain, _) = run(&engine(None, 8, true), &p, 24, true);
+        let (drafted, fin) = run(&engine(spec(), 8, true), &p, 24, true);
+        assert_eq!(drafted, plain);
+        assert!(fin.timings.draft_n > 0, "no drafts: {:?}", fin.timings);
+    }
+
+    /// The same image in the next turn reuses the cache, another image with the same grid does
+    /// not (past its first row), and each answer is the one a fresh slot gives.
+    #[test]
+    fn prefix_reuse_keys_on_the_image_bytes() {
+        let e = engine(spec(), 16, true);
+        let fresh = engine(spec(), 16, true);
+        let (a, b) = (png(7), png(200));
+        let turn1 = layout("Picture <__media__> shows", std::slice::from_ref(&a));
+        let (out1, _) = run(&e, &turn1, 6, true);
+        let image_at = turn1.1[0].at;
+        // The next turn: the whole history and more text, the same image.
+        let mut turn2 = turn1.clone();
+        turn2.0.extend(&out1);
+        turn2.0.extend(text(" and more"));
+        let (out2, fin2) = run(&e, &turn2, 6, true);
+        assert!(
+            fin2.cached_tokens >= turn1.0.len(),
+            "{} of {} cached",
+            fin2.cached_tokens,
+            turn2.0.len()
+        );
+        assert_eq!(out2, run(&fresh, &turn2, 6, false).0);
+        // It extended with another image's bytes in place of the first (the same tokens):
+        // nothing past the image's start.
+        let mut turn3 = turn2.clone();
+        turn3.0.extend(text(" again"));
+        turn3.1 = layout("Picture <__media__> shows", std::slice::from_ref(&b)).1;
+        let (out3, fin3) = run(&e, &turn3, 6, true);
+        assert!(fin3.cached_tokens <= image_at, "{}", fin3.cached_tokens);
+        assert_eq!(out3, run(&fresh, &turn3, 6, false).0);
+        // Back to the last prompt with a new ending: the prompt checkpoint (after the image)
+        // is reused, with the position lag it had.
+        let mut turn4 = turn3.clone();
+        turn4.0.extend(text(" twice"));
+        let (out4, fin4) = run(&e, &turn4, 6, true);
+        assert!(fin4.cached_tokens > image_at, "{}", fin4.cached_tokens);
+        assert_eq!(out4, run(&fresh, &turn4, 6, false).0);
+    }
+
+    /// Images without a projector, or a grid that is not the pixels' own: the request fails
+    /// with the reason, the engine goes on.
+    #[test]
+    fn images_the_engine_cannot_run_are_refused() {
+        let p = layout("Picture <__media__> shows", &[png(1)]);
+        let e = engine(None, 16, false);
+        let err = e
+            .submit(Request {
+                prompt: p.0.clone(),
+                images: p.1.clone(),
+                max_tokens: 2,
+                ..Default::default()
+            })
+            .collect()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("no projector (--mmproj)"), "{err}");
+        let e = engine(None, 16, true);
+        let mut bad = p.1.clone();
+        bad[0].cols += 1;
+        let err = e
+            .submit(Request {
+                prompt: p.0.clone(),
+                images: bad,
+                max_tokens: 2,
+                ..Default::default()
+            })
+            .collect()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("image 0"), "{err}");
+        assert_eq!(run(&e, &p, 3, true).0.len(), 3);
+    }
+}

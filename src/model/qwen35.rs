@@ -60,11 +60,21 @@ impl<B: Backend> SeqState<B> {
 }
 
 /// An image's embedding rows (the projector's output, `[rows · cols, n_embd]` in row-major grid
-/// order) run in place of token ids.
+/// order) run in place of token ids: rows `first..first + n` of it, so a large image can be fed
+/// in several steps (the position counter moves on once its last row is in).
 pub struct ImageRows<'s, T> {
     pub embd: &'s T,
     pub rows: usize,
     pub cols: usize,
+    pub first: usize,
+    pub n: usize,
+}
+
+impl<T> ImageRows<'_, T> {
+    /// Whether this chunk holds the image's last row.
+    pub fn ends(&self) -> bool {
+        self.first + self.n == self.rows * self.cols
+    }
 }
 
 /// One sequence's share of a batched step: its state, the tokens to run at `seq.pos..` (or an
@@ -85,7 +95,13 @@ pub struct BatchItem<'s, B: Backend> {
 
 /// The MTP head's own attention cache.
 pub struct MtpState<B: Backend> {
+    /// Rows held (the cache index of the next row).
     pub pos: usize,
+    /// How far the head's rotary position runs ahead of `pos`: the head never sees an image's
+    /// rows (llama.cpp's draft-mtp skips embedding batches), yet its text rows sit at the
+    /// trunk's M-RoPE positions, so after an image of `rows x cols` this grows by
+    /// max(rows, cols).
+    pub skip: usize,
     pub kv: B::Kv,
     /// The scale of each loaded LoRA adapter (missing entries are 0), as the trunk's.
     pub lora: Vec<f32>,
@@ -133,6 +149,7 @@ impl<B: Backend> Model<B> {
         }
         Ok(MtpState {
             pos: 0,
+            skip: 0,
             kv: be.new_kv(&self.cfg.attn_params(), kv_types)?,
             lora: Vec::new(),
         })
@@ -324,7 +341,13 @@ impl<B: Backend> Model<B> {
         let mut items = [BatchItem {
             seq: st,
             tokens: &[],
-            image: Some(ImageRows { embd, rows, cols }),
+            image: Some(ImageRows {
+                embd,
+                rows,
+                cols,
+                first: 0,
+                n: rows * cols,
+            }),
             all_rows,
             hidden_rows: false,
             snapshot: false,
@@ -370,8 +393,8 @@ impl<B: Backend> Model<B> {
         }
         for (it, &(_, n)) in items.iter_mut().zip(&batch.spans) {
             it.seq.pos += n;
-            if let Some(img) = &it.image {
-                it.seq.lag += n - img.rows.max(img.cols);
+            if let Some(img) = it.image.as_ref().filter(|i| i.ends()) {
+                it.seq.lag += img.rows * img.cols - img.rows.max(img.cols);
             }
         }
         // h_nextn for the rows each sequence wants, logits for the rows it wants them for.
@@ -402,7 +425,7 @@ impl<B: Backend> Model<B> {
         let parts: Vec<B::T> = items
             .iter()
             .map(|it| match &it.image {
-                Some(img) => be.rows(img.embd, 0, img.rows * img.cols),
+                Some(img) => be.rows(img.embd, img.first, img.n),
                 None => be.embed(&self.w.token_embd, it.tokens),
             })
             .collect();
@@ -411,7 +434,8 @@ impl<B: Backend> Model<B> {
 
     /// Checks a batch's items and lays their rows out one after another, with each item's
     /// rotary table at its M-RoPE positions: text row k at `p + k` on every stream, image token
-    /// k at `[p, p + k / cols, p + k % cols, 0]` (`p = pos - lag`, model-vision.md §4).
+    /// k at `[p, p + k / cols, p + k % cols, 0]` (`p = pos - lag`, at the image's first row;
+    /// model-vision.md §4).
     fn batch(&self, items: &[BatchItem<'_, B>]) -> Result<Batch, ModelError> {
         assert!(!items.is_empty(), "forward of an empty batch");
         let mut tokens = Vec::new();
@@ -424,7 +448,15 @@ impl<B: Backend> Model<B> {
             let n = match &it.image {
                 Some(img) => {
                     assert!(it.tokens.is_empty(), "an image item with token ids");
-                    img.rows * img.cols
+                    assert!(
+                        img.first + img.n <= img.rows * img.cols,
+                        "image rows {}..{} of a {}x{} grid",
+                        img.first,
+                        img.first + img.n,
+                        img.rows,
+                        img.cols
+                    );
+                    img.n
                 }
                 None => it.tokens.len(),
             };
@@ -436,9 +468,10 @@ impl<B: Backend> Model<B> {
                     n_ctx: self.cfg.context_length,
                 });
             }
-            let p = (it.seq.pos - it.seq.lag) as u32;
+            let first = it.image.as_ref().map_or(0, |i| i.first);
+            let p = (it.seq.pos - first - it.seq.lag) as u32;
             let pos: Vec<[u32; 4]> = match &it.image {
-                Some(img) => (0..n as u32)
+                Some(img) => (first as u32..(first + n) as u32)
                     .map(|k| {
                         let c = img.cols as u32;
                         [p, p + k / c, p + k % c, 0]
@@ -557,7 +590,7 @@ impl<B: Backend> Model<B> {
         let hh = be.rms_norm(h_prev, &mtp.hnorm, eps);
         let batch = Batch::one(
             tokens,
-            st.pos,
+            st.pos + st.skip,
             &self.cfg.attn_params(),
             RowScales::new(self.adapters.len(), [st.lora.as_slice()], [tokens.len()]),
         );
@@ -596,7 +629,6 @@ struct Batch {
 }
 
 impl Batch {
-    /// One sequence's tokens.
     /// One sequence's tokens at text positions `pos0..`.
     fn one(tokens: &[u32], pos0: usize, ap: &crate::backend::AttnParams, lora: RowScales) -> Batch {
         let rope = crate::backend::rope_table(

@@ -776,7 +776,18 @@ pub fn tokenize_with_media(
     prompt: &str,
     n_images: usize,
 ) -> Result<Vec<Piece>, MediaError> {
-    let n_markers = prompt.matches(MEDIA_MARKER).count();
+    tokenize_with_marker(tok, prompt, MEDIA_MARKER, n_images)
+}
+
+/// [`tokenize_with_media`] with another marker (llama-server draws a random one per process,
+/// so that no text a user writes can become an image).
+pub fn tokenize_with_marker(
+    tok: &crate::tokenizer::Tokenizer,
+    prompt: &str,
+    marker: &str,
+    n_images: usize,
+) -> Result<Vec<Piece>, MediaError> {
+    let n_markers = prompt.matches(marker).count();
     if n_markers != n_images {
         return Err(MediaError::MarkerCount {
             markers: n_markers,
@@ -788,12 +799,9 @@ pub fn tokenize_with_media(
             return Err(MediaError::NoWrapperToken(t));
         }
     }
-    let wrapped = prompt.replace(
-        MEDIA_MARKER,
-        &format!("{VISION_START}{MEDIA_MARKER}{VISION_END}"),
-    );
+    let wrapped = prompt.replace(marker, &format!("{VISION_START}{marker}{VISION_END}"));
     let mut out = Vec::new();
-    for (i, text) in wrapped.split(MEDIA_MARKER).enumerate() {
+    for (i, text) in wrapped.split(marker).enumerate() {
         if i > 0 {
             out.push(Piece::Image(i - 1));
         }

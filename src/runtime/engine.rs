@@ -11,7 +11,9 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use crate::backend::{Backend, KvTypes};
-use crate::model::{BatchItem, Model, ModelError};
+use crate::gguf::Gguf;
+use crate::model::vision::{Prepared, Projector};
+use crate::model::{BatchItem, ImageRows, Model, ModelError};
 use crate::tokenizer::Tokenizer;
 
 use super::budget::BudgetConfig;
@@ -101,9 +103,36 @@ impl EngineConfig {
     }
 }
 
+/// The prompt entry of each of an image's rows: no token id, the image's embedding row runs
+/// there (llama-server's LLAMA_TOKEN_NULL).
+pub const IMAGE_ROW: u32 = u32::MAX;
+
+/// An image in a request's prompt: the pixels ready for the projector, its token grid, and the
+/// hash of its file's bytes, which is what prefix reuse compares (its rows have no token ids).
+#[derive(Clone, Debug)]
+pub struct PromptImage {
+    /// Index in [`Request::prompt`] of its first row; the prompt holds [`IMAGE_ROW`] for each
+    /// of its `rows · cols` rows.
+    pub at: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub hash: [u8; 32],
+    pub pixels: Arc<Prepared>,
+}
+
+impl PromptImage {
+    pub fn n_tokens(&self) -> usize {
+        self.rows * self.cols
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Request {
+    /// One entry per position: a token id, or [`IMAGE_ROW`] for each row of an image in
+    /// `images`.
     pub prompt: Vec<u32>,
+    /// The prompt's images, in order (the projector encodes each where the prefill reaches it).
+    pub images: Vec<PromptImage>,
     /// Tokens to generate at most; 0 evaluates the prompt into the slot and generates nothing
     /// (llama.cpp's n_predict 0).
     pub max_tokens: usize,
@@ -152,6 +181,7 @@ impl Default for Request {
     fn default() -> Request {
         Request {
             prompt: Vec::new(),
+            images: Vec::new(),
             max_tokens: 0,
             sampler: SamplerConfig::default(),
             stop: Vec::new(),
@@ -371,14 +401,50 @@ struct PromptCheckpoint<B: Backend> {
     pos: Option<usize>,
     rs: Vec<Option<B::Rs>>,
     pending_h: Option<B::T>,
+    /// The trunk's position lag, the MTP head's rows and position skip, and how many of the
+    /// slot's images the prompt held, at that point.
+    lag: usize,
+    mtp_pos: usize,
+    mtp_skip: usize,
+    images: usize,
+}
+
+/// An image in a slot's cache: where its rows start in `tokens`, how many there are, and the
+/// hash of its bytes.
+#[derive(Clone, Debug, PartialEq)]
+struct SlotImage {
+    at: usize,
+    n: usize,
+    hash: [u8; 32],
 }
 
 struct Slot<B: Backend> {
     dec: SlotDecoder<B>,
-    /// Every token fed to the trunk, in order (the prefix cache key).
+    /// Every token fed to the trunk, in order, [`IMAGE_ROW`] for image rows (with `images`, the
+    /// prefix cache key).
     tokens: Vec<u32>,
+    images: Vec<SlotImage>,
+    /// The projector's output for the request's image being fed (its index in the request's
+    /// images): encoded once, fed in `ubatch` pieces.
+    embd: Option<(usize, B::T)>,
     ckpt: PromptCheckpoint<B>,
     task: Option<Task>,
+}
+
+/// What one busy slot feeds a step: prompt tokens or rows of one of its request's images
+/// (`(image, first row, rows)`), or a verify batch.
+struct Feed {
+    slot: usize,
+    tokens: Vec<u32>,
+    image: Option<(usize, usize, usize)>,
+    rows: bool,
+    prefill: bool,
+}
+
+impl Feed {
+    fn len(&self) -> usize {
+        self.image.map_or(self.tokens.len(), |im| im.2)
+    }
 }
 
 pub struct Engine {
@@ -416,6 +482,23 @@ impl Engine {
     where
         B::W: 'static,
     {
+        Engine::start_full(model, be, tok, config, threads, None)
+    }
+
+    /// [`Engine::start_with`] and a vision projector (`--mmproj`), loaded at boot on the
+    /// model's backend by the engine's thread, which runs every image through it: encodes are
+    /// serialized with the steps, whatever the number of slots.
+    pub fn start_full<B: Backend + 'static>(
+        model: Model<B>,
+        be: B,
+        tok: Arc<Tokenizer>,
+        config: EngineConfig,
+        threads: Threads,
+        projector: Option<Arc<Gguf>>,
+    ) -> Result<Engine, EngineError>
+    where
+        B::W: 'static,
+    {
         config.validate(model.cfg.context_length, model.cfg.has_mtp())?;
         let pools = Pools::new(threads)?;
         let n_vocab = model.cfg.n_vocab;
@@ -434,7 +517,7 @@ impl Engine {
                 // `start` waits for its outcome so a shape that cannot be allocated is refused
                 // at boot rather than at the first request.
                 let booted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    Worker::new(model, be, tok, cfg, m2)
+                    Worker::new(model, be, tok, cfg, m2, projector)
                 }))
                 .unwrap_or_else(|p| {
                     Err(EngineError::Model(format!(
@@ -514,6 +597,7 @@ impl Drop for Engine {
 
 struct Worker<B: Backend> {
     model: Model<B>,
+    projector: Option<Projector<B>>,
     be: B,
     tok: Arc<Tokenizer>,
     cfg: EngineConfig,
@@ -647,7 +731,12 @@ impl<B: Backend> Worker<B> {
         tok: Arc<Tokenizer>,
         cfg: EngineConfig,
         metrics: Arc<Mutex<Metrics>>,
+        projector: Option<Arc<Gguf>>,
     ) -> Result<(Self, crate::plan::Allocated), EngineError> {
+        let projector = projector
+            .map(|f| Projector::load(&be, f, model.cfg.n_embd))
+            .transpose()
+            .map_err(|e| EngineError::Config(format!("the projector (--mmproj): {e}")))?;
         let mut slots = Vec::with_capacity(cfg.parallel);
         let gp = model.cfg.gdn_params();
         for _ in 0..cfg.parallel {
@@ -678,16 +767,23 @@ impl<B: Backend> Worker<B> {
             slots.push(Slot {
                 dec,
                 tokens: Vec::new(),
+                images: Vec::new(),
+                embd: None,
                 ckpt: PromptCheckpoint {
                     pos: None,
                     rs: ckpt_rs,
                     pending_h: None,
+                    lag: 0,
+                    mtp_pos: 0,
+                    mtp_skip: 0,
+                    images: 0,
                 },
                 task: None,
             });
         }
         let mut w = Worker {
             model,
+            projector,
             be,
             tok,
             cfg,
@@ -937,10 +1033,13 @@ impl<B: Backend> Worker<B> {
         if let Some(m) = s.dec.mtp.as_mut() {
             self.be.kv_truncate(&mut m.state.kv, 0);
             m.state.pos = 0;
+            m.state.skip = 0;
             let ne = self.model.cfg.n_embd;
             m.pending_h = self.be.from_host(&vec![0.0; ne], 1, ne);
         }
         s.tokens.clear();
+        s.images.clear();
+        s.embd = None;
         s.ckpt.pos = None;
         s.ckpt.pending_h = None;
     }
@@ -962,28 +1061,46 @@ impl<B: Backend> Worker<B> {
             self.be.kv_truncate(kv, pos);
         }
         s.dec.seq.pos = pos;
+        s.dec.seq.lag = ck.lag;
         if let (Some(m), Some(h)) = (s.dec.mtp.as_mut(), ck.pending_h.as_ref()) {
-            self.be.kv_truncate(&mut m.state.kv, pos);
-            m.state.pos = pos;
+            self.be.kv_truncate(&mut m.state.kv, ck.mtp_pos);
+            m.state.pos = ck.mtp_pos;
+            m.state.skip = ck.mtp_skip;
             m.pending_h = self.be.rows(h, 0, 1);
         }
         s.tokens.truncate(pos);
+        s.images.truncate(ck.images);
+        s.embd = None;
     }
 
     /// How much of `prompt` slot `i` can reuse: its whole history when the prompt extends it,
     /// else its last prompt when the prompt extends that; at least one token is left to run.
-    /// Nothing is reusable under other adapter scales: the cache was computed with them.
-    fn reusable(&self, i: usize, prompt: &[u32], lora: &[f32]) -> usize {
+    /// Nothing is reusable under other adapter scales: the cache was computed with them. An
+    /// image is reused whole or not at all, and only where the same bytes (its hash) sit at the
+    /// same place.
+    fn reusable(&self, i: usize, prompt: &[u32], images: &[PromptImage], lora: &[f32]) -> usize {
         let s = &self.slots[i];
         if s.dec.seq.lora != lora {
             return 0;
         }
-        let common = s
+        let mut common = s
             .tokens
             .iter()
             .zip(prompt)
             .take_while(|(a, b)| a == b)
             .count();
+        let ours = s.images.iter().map(|im| (im.at, im.n, &im.hash));
+        let theirs = images.iter().map(|im| (im.at, im.n_tokens(), &im.hash));
+        let mut starts: Vec<_> = ours.clone().chain(theirs.clone()).map(|x| x.0).collect();
+        starts.sort_unstable();
+        for at in starts.into_iter().take_while(|&at| at < common) {
+            let a = ours.clone().find(|x| x.0 == at);
+            let b = theirs.clone().find(|x| x.0 == at);
+            if a.is_none() || a != b || at + a.map_or(0, |x| x.1) > common {
+                common = at;
+                break;
+            }
+        }
         if common == s.tokens.len() && common < prompt.len() {
             return common;
         }
@@ -1013,6 +1130,44 @@ impl<B: Backend> Worker<B> {
         Ok(req.to_vec())
     }
 
+    /// A request's images against its prompt and this engine: a projector is loaded, each
+    /// image's grid is the one its pixels give, and the prompt holds [`IMAGE_ROW`] exactly at
+    /// their rows.
+    fn check_images(&self, req: &Request) -> Result<(), EngineError> {
+        let rows = req.prompt.iter().filter(|&&t| t == IMAGE_ROW).count();
+        if req.images.is_empty() && rows == 0 {
+            return Ok(());
+        }
+        let Some(proj) = self.projector.as_ref() else {
+            return Err(EngineError::Config(
+                "the prompt has images but no projector (--mmproj) is loaded".into(),
+            ));
+        };
+        let mut end = 0;
+        let mut held = 0;
+        for (k, im) in req.images.iter().enumerate() {
+            let n = im.n_tokens();
+            let grid = im.pixels.grid(&proj.cfg);
+            let placed = im.at >= end
+                && im.at + n <= req.prompt.len()
+                && req.prompt[im.at..im.at + n].iter().all(|&t| t == IMAGE_ROW);
+            if n == 0 || grid != (im.rows, im.cols) || !placed {
+                return Err(EngineError::Config(format!(
+                    "image {k}: a {}x{} grid at prompt row {} does not match its pixels ({}x{}) or the prompt",
+                    im.rows, im.cols, im.at, grid.0, grid.1
+                )));
+            }
+            end = im.at + n;
+            held += n;
+        }
+        if held != rows {
+            return Err(EngineError::Config(format!(
+                "the prompt has {rows} image rows; its images have {held}"
+            )));
+        }
+        Ok(())
+    }
+
     fn assign(&mut self) {
         while let Some(sub) = self.queue.front() {
             if sub.cancel.load(Ordering::Relaxed) {
@@ -1030,11 +1185,13 @@ impl<B: Backend> Worker<B> {
                     n_prompt: sub.req.prompt.len(),
                     n_ctx_slot,
                 })
+            } else if let Err(e) = self.check_images(&sub.req) {
+                Some(e)
             } else if let Some(&id) = sub
                 .req
                 .prompt
                 .iter()
-                .find(|&&t| t as usize >= self.model.cfg.n_vocab)
+                .find(|&&t| t != IMAGE_ROW && t as usize >= self.model.cfg.n_vocab)
             {
                 Some(EngineError::Model(format!(
                     "token id {id} is outside the vocabulary of {}",
@@ -1068,10 +1225,10 @@ impl<B: Backend> Worker<B> {
             if free.len() < n {
                 return;
             }
-            let Some(&best) = free
-                .iter()
-                .max_by_key(|&&i| (self.reusable(i, &sub.req.prompt, &lora), usize::MAX - i))
-            else {
+            let Some(&best) = free.iter().max_by_key(|&&i| {
+                let r = self.reusable(i, &sub.req.prompt, &sub.req.images, &lora);
+                (r, usize::MAX - i)
+            }) else {
                 return;
             };
             let forks: Vec<usize> = free
@@ -1082,7 +1239,7 @@ impl<B: Backend> Worker<B> {
                 .collect();
             let sub = self.queue.pop_front().unwrap();
             let mut reuse = if sub.req.cache_prompt {
-                self.reusable(best, &sub.req.prompt, &lora)
+                self.reusable(best, &sub.req.prompt, &sub.req.images, &lora)
             } else {
                 0
             };
@@ -1095,6 +1252,8 @@ impl<B: Backend> Worker<B> {
             } else {
                 self.rewind(best, reuse);
             }
+            // An image a cancelled request left half-fed is not this request's.
+            self.slots[best].embd = None;
             // The forks take the scales from fork_state, with the state computed under them.
             let slot = &mut self.slots[best];
             if let Some(m) = slot.dec.mtp.as_mut() {
@@ -1120,7 +1279,7 @@ impl<B: Backend> Worker<B> {
                 cfg.seed = cfg.seed.wrapping_add(c as u64);
                 let mut sampler = Sampler::new(cfg).with_budget(req.reasoning_budget.clone());
                 // llama-server feeds the prompt to the sampler (penalties and DRY see it).
-                for &t in &req.prompt {
+                for &t in req.prompt.iter().filter(|&&t| t != IMAGE_ROW) {
                     sampler.accept_prompt(t);
                 }
                 let con = fork_constraints.pop().flatten();
@@ -1179,6 +1338,7 @@ impl<B: Backend> Worker<B> {
         if let (Some(x), Some(y)) = (a.dec.mtp.as_ref(), b.dec.mtp.as_mut()) {
             be.kv_copy(&x.state.kv, &mut y.state.kv);
             y.state.pos = x.state.pos;
+            y.state.skip = x.state.skip;
             y.state.lora = x.state.lora.clone();
             y.pending_h = be.rows(&x.pending_h, 0, 1);
         }
@@ -1189,7 +1349,13 @@ impl<B: Backend> Worker<B> {
         }
         b.ckpt.pos = a.ckpt.pos;
         b.ckpt.pending_h = a.ckpt.pending_h.as_ref().map(|h| be.rows(h, 0, 1));
+        b.ckpt.lag = a.ckpt.lag;
+        b.ckpt.mtp_pos = a.ckpt.mtp_pos;
+        b.ckpt.mtp_skip = a.ckpt.mtp_skip;
+        b.ckpt.images = a.ckpt.images;
         b.tokens = a.tokens.clone();
+        b.images = a.images.clone();
+        b.embd = None;
     }
 
     /// One batched step over every busy slot.
@@ -1207,7 +1373,7 @@ impl<B: Backend> Worker<B> {
         let spec = self.cfg.spec.clone();
         let n_ctx_slot = self.cfg.n_ctx_slot();
         // What each busy slot feeds this step.
-        let mut plan: Vec<(usize, Vec<u32>, bool, bool)> = Vec::new(); // (slot, tokens, all_rows, is_prefill)
+        let mut plan: Vec<Feed> = Vec::new();
         for i in 0..self.slots.len() {
             let Some(task) = self.slots[i].task.as_ref() else {
                 continue;
@@ -1215,11 +1381,49 @@ impl<B: Backend> Worker<B> {
             match task.phase {
                 Phase::Forked => {}
                 Phase::Prefill { next } => {
-                    let end = (next + self.cfg.ubatch).min(task.req.prompt.len());
-                    let chunk = task.req.prompt[next..end].to_vec();
                     let pooled_rows = task.req.embed.is_some_and(|p| p != Pooling::Last);
                     let rows = self.slots[i].dec.wants_rows() || pooled_rows;
-                    plan.push((i, chunk, rows, true));
+                    let images = &task.req.images;
+                    let within = images
+                        .iter()
+                        .position(|im| im.at <= next && next < im.at + im.n_tokens())
+                        .map(|k| (k, next - images[k].at, images[k].n_tokens()));
+                    let stop = images
+                        .iter()
+                        .map(|im| im.at)
+                        .filter(|&at| at > next)
+                        .min()
+                        .unwrap_or(task.req.prompt.len());
+                    let end = (next + self.cfg.ubatch).min(stop);
+                    let chunk = task.req.prompt[next..end].to_vec();
+                    let pixels = within.map(|(k, ..)| images[k].pixels.clone());
+                    if let (Some((k, first, total)), Some(pixels)) = (within, pixels) {
+                        // An image's rows: encoded when the prefill first reaches it.
+                        let n = (total - first).min(self.cfg.ubatch);
+                        if self.slots[i].embd.as_ref().map(|e| e.0) != Some(k) {
+                            let proj = self.projector.as_ref().ok_or_else(|| {
+                                EngineError::Config("no projector (--mmproj) is loaded".into())
+                            })?;
+                            let e = proj.encode(&self.be, &pixels);
+                            self.slots[i].embd = Some((k, e));
+                        }
+                        plan.push(Feed {
+                            slot: i,
+                            tokens: Vec::new(),
+                            image: Some((k, first, n)),
+                            // The MTP head never reads an image's rows.
+                            rows: pooled_rows,
+                            prefill: true,
+                        });
+                        continue;
+                    }
+                    plan.push(Feed {
+                        slot: i,
+                        tokens: chunk,
+                        image: None,
+                        rows,
+                        prefill: true,
+                    });
                 }
                 Phase::Decode => {
                     let room = n_ctx_slot.saturating_sub(self.slots[i].dec.seq.pos + 1);
@@ -1243,7 +1447,13 @@ impl<B: Backend> Worker<B> {
                         .dec
                         .begin_verify(&self.model, &self.be, &drafts);
                     let rows = !drafts.is_empty() || self.slots[i].dec.wants_rows();
-                    plan.push((i, batch, rows, false));
+                    plan.push(Feed {
+                        slot: i,
+                        tokens: batch,
+                        image: None,
+                        rows,
+                        prefill: false,
+                    });
                 }
             }
         }
@@ -1254,10 +1464,11 @@ impl<B: Backend> Worker<B> {
         // drafts so far, a prompt's first token): here when they are cheap, else on the mask
         // thread while the forward runs.
         let mut mask_jobs = 0usize;
-        for (i, toks, _, prefill) in &plan {
+        for f in &plan {
+            let (i, prefill) = (&f.slot, &f.prefill);
             let s = &mut self.slots[*i];
             let last_chunk = match s.task.as_ref().map(|t| (&t.phase, t.req.prompt.len())) {
-                Some((Phase::Prefill { next }, n)) => next + toks.len() >= n,
+                Some((Phase::Prefill { next }, n)) => next + f.len() >= n,
                 _ => false,
             };
             if (*prefill && !last_chunk)
@@ -1268,7 +1479,7 @@ impl<B: Backend> Worker<B> {
             let drafts = if *prefill {
                 Vec::new()
             } else {
-                toks[1..].to_vec()
+                f.tokens[1..].to_vec()
             };
             let c = s.dec.constraint.as_mut().expect("active");
             if c.mask_cost() < INLINE_MASK {
@@ -1292,23 +1503,47 @@ impl<B: Backend> Worker<B> {
         }
         let t0 = Instant::now();
         let outs = {
-            let mut seqs: Vec<Option<&mut crate::model::SeqState<B>>> = self
+            type Parts<'a, B> = (
+                &'a mut crate::model::SeqState<B>,
+                Option<&'a <B as Backend>::T>,
+                Option<&'a Task>,
+            );
+            let mut parts: Vec<Option<Parts<B>>> = self
                 .slots
                 .iter_mut()
-                .map(|s| Some(&mut s.dec.seq))
+                .map(|s| {
+                    Some((
+                        &mut s.dec.seq,
+                        s.embd.as_ref().map(|e| &e.1),
+                        s.task.as_ref(),
+                    ))
+                })
                 .collect();
             let mut items: Vec<BatchItem<B>> = plan
                 .iter()
-                .map(|(i, toks, rows, prefill)| BatchItem {
-                    seq: seqs[*i].take().unwrap(),
-                    tokens: toks,
-                    image: None,
-                    // A prompt chunk feeding the MTP head wants h of every row, logits of
-                    // the last; a verify batch wants both of every row.
-                    all_rows: *rows && !*prefill,
-                    hidden_rows: *rows && *prefill,
-                    // A verify batch with drafts keeps per-row rollback cells.
-                    snapshot: !*prefill && toks.len() > 1,
+                .map(|f| {
+                    let (seq, embd, task) = parts[f.slot].take().unwrap();
+                    let image = f.image.map(|(k, first, n)| {
+                        let im = &task.expect("a feeding slot has a task").req.images[k];
+                        ImageRows {
+                            embd: embd.expect("the image was encoded"),
+                            rows: im.rows,
+                            cols: im.cols,
+                            first,
+                            n,
+                        }
+                    });
+                    BatchItem {
+                        seq,
+                        tokens: &f.tokens,
+                        image,
+                        // A prompt chunk feeding the MTP head wants h of every row, logits of
+                        // the last; a verify batch wants both of every row.
+                        all_rows: f.rows && !f.prefill,
+                        hidden_rows: f.rows && f.prefill,
+                        // A verify batch with drafts keeps per-row rollback cells.
+                        snapshot: !f.prefill && f.tokens.len() > 1,
+                    }
                 })
                 .collect();
             self.model
@@ -1335,15 +1570,35 @@ impl<B: Backend> Worker<B> {
         }
         let mut emitted: Vec<(usize, Vec<u32>)> = Vec::new();
         let mut prompt_only: Vec<usize> = Vec::new();
-        for ((i, toks, rows, is_prefill), out) in plan.iter().zip(outs) {
-            let i = *i;
-            if *is_prefill {
+        for (f, out) in plan.iter().zip(outs) {
+            let (i, toks, rows) = (f.slot, &f.tokens, &f.rows);
+            if f.prefill {
                 let s = &mut self.slots[i];
-                s.tokens.extend_from_slice(toks);
-                s.dec
-                    .mtp_process(&self.model, &self.be, toks, &out.h)
-                    .map_err(model_err)?;
                 let task = s.task.as_mut().unwrap();
+                match f.image {
+                    Some((k, first, n)) => {
+                        let im = &task.req.images[k];
+                        if first == 0 {
+                            s.images.push(SlotImage {
+                                at: s.tokens.len(),
+                                n: im.n_tokens(),
+                                hash: im.hash,
+                            });
+                        }
+                        s.tokens.extend(std::iter::repeat_n(IMAGE_ROW, n));
+                        if first + n == im.n_tokens() {
+                            s.dec.mtp_past_image(im.rows.max(im.cols));
+                            s.embd = None;
+                        }
+                    }
+                    None => {
+                        s.tokens.extend_from_slice(toks);
+                        s.dec
+                            .mtp_process(&self.model, &self.be, toks, &out.h)
+                            .map_err(model_err)?;
+                    }
+                }
+                let fed = f.len();
                 let Phase::Prefill { next } = task.phase else {
                     unreachable!()
                 };
@@ -1372,10 +1627,10 @@ impl<B: Backend> Worker<B> {
                         }
                     }
                 }
-                let next = next + toks.len();
+                let next = next + fed;
                 {
                     let mut m = self.metrics.lock().unwrap();
-                    m.prompt_tokens_total += toks.len() as u64;
+                    m.prompt_tokens_total += fed as u64;
                     m.prompt_seconds_total += step_s;
                 }
                 if next < task.req.prompt.len() {
@@ -1393,6 +1648,13 @@ impl<B: Backend> Worker<B> {
                 }
                 s.ckpt.pos = Some(s.tokens.len());
                 s.ckpt.pending_h = s.dec.mtp.as_ref().map(|m| self.be.rows(&m.pending_h, 0, 1));
+                s.ckpt.lag = s.dec.seq.lag;
+                s.ckpt.images = s.images.len();
+                (s.ckpt.mtp_pos, s.ckpt.mtp_skip) = s
+                    .dec
+                    .mtp
+                    .as_ref()
+                    .map_or((0, 0), |m| (m.state.pos, m.state.skip));
                 if task.req.embed.is_some() {
                     let mut embd = std::mem::take(&mut task.embd);
                     if task.req.embed == Some(Pooling::Mean) {

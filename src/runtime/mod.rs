@@ -4,5 +4,6 @@
 pub mod budget;
 pub mod constraint;
 pub mod engine;
+pub mod media;
 pub mod sampler;
 pub mod speculative;

@@ -257,6 +257,15 @@ impl<B: Backend> SlotDecoder<B> {
         Ok(())
     }
 
+    /// An image has gone through the trunk: the head skips its rows, as llama.cpp's draft-mtp
+    /// does (it never sees embedding batches, and the next text row pairs with the h it already
+    /// holds), and its text resumes at the trunk's position, `advance` = max(rows, cols) on.
+    pub fn mtp_past_image(&mut self, advance: usize) {
+        if let Some(m) = self.mtp.as_mut() {
+            m.state.skip += advance;
+        }
+    }
+
     /// The MTP head's greedy draft from the last sampled token (its cache is left as found).
     pub fn draft(
         &mut self,
