@@ -207,10 +207,9 @@ fn every_llama_server_flag_is_honoured_warned_or_refused() {
                 }
             }
             // The table's own class, unless the value decides (-ngl 99 changes nothing,
-            // --mmproj is checked but not run, --lora-scaled FILE:0.5 is refused).
+            // --lora-scaled FILE:0.5 is refused).
             let how = if neg { opt.how_neg } else { opt.how };
-            let value_decides =
-                matches!(opt.name(), "--n-gpu-layers" | "--mmproj" | "--lora-scaled");
+            let value_decides = matches!(opt.name(), "--n-gpu-layers" | "--lora-scaled");
             if !value_decides {
                 assert_eq!(how.class(), class, "{argv:?}: {msg}");
             }

@@ -203,8 +203,13 @@ const NO_RERANK: How = refuse("tern has no reranking (it serves embeddings with 
 const NO_EMBEDDINGS_WARN: How =
     warn("requests set embd_normalize (default 2, L2); a server-wide default is not implemented");
 const NO_ROPE: How = refuse("tern runs the model's own RoPE; RoPE/YaRN scaling is not implemented");
-const NO_VISION: How =
-    warn("tern cannot run vision projectors yet: requests with image parts get a 400");
+const MMPROJ_ON_BACKEND: How =
+    warn("the projector runs where the model runs (--backend), on the engine's thread");
+const NO_MTMD_BATCH: How =
+    warn("each image is encoded whole, once, and its rows go to the model in --ubatch-size pieces");
+const NO_VIDEO: How = warn("tern reads images only: requests with video parts get a 400");
+const NO_MEDIA_PATH: How =
+    warn("file:// URLs are never read: requests send images inline as data: URLs");
 const NO_DOWNLOAD: How =
     refuse("downloads are not supported; give the model's path with --model (-m)");
 const NO_DOWNLOAD_MMPROJ: How =
@@ -339,14 +344,14 @@ pub const OPTIONS: &[Opt] = &[
     val(&["-mm", "--mmproj"], Some("LLAMA_ARG_MMPROJ"), "mmproj"),
     other(&["-mmu", "--mmproj-url"], V, Some("LLAMA_ARG_MMPROJ_URL"), NO_DOWNLOAD_MMPROJ),
     pair_how(&["--mmproj-auto"], &["--no-mmproj", "--no-mmproj-auto"], Some("LLAMA_ARG_MMPROJ_AUTO"), warn("tern never fetches a projector by itself; give one with --mmproj"), warn("tern never fetches a projector by itself")),
-    pair_how(&["--mmproj-offload"], &["--no-mmproj-offload"], Some("LLAMA_ARG_MMPROJ_OFFLOAD"), NO_VISION, NO_VISION),
-    other(&["-mmdev", "--mmproj-device"], V, Some("MTMD_BACKEND_DEVICE"), NO_VISION),
+    pair_how(&["--mmproj-offload"], &["--no-mmproj-offload"], Some("LLAMA_ARG_MMPROJ_OFFLOAD"), MMPROJ_ON_BACKEND, MMPROJ_ON_BACKEND),
+    other(&["-mmdev", "--mmproj-device"], V, Some("MTMD_BACKEND_DEVICE"), MMPROJ_ON_BACKEND),
     val(&["--image-min-tokens"], Some("LLAMA_ARG_IMAGE_MIN_TOKENS"), "image-min-tokens"),
     val(&["--image-max-tokens"], Some("LLAMA_ARG_IMAGE_MAX_TOKENS"), "image-max-tokens"),
-    other(&["--mtmd-batch-max-tokens"], V, Some("LLAMA_ARG_MTMD_BATCH_MAX_TOKENS"), NO_VISION),
-    other(&["--video-fps"], V, Some("LLAMA_ARG_VIDEO_FPS"), NO_VISION),
-    other(&["--video-timestamp-interval"], V, Some("LLAMA_ARG_VIDEO_TIMESTAMP_INTERVAL"), NO_VISION),
-    other(&["--video-ffmpeg-dir"], V, Some("LLAMA_ARG_VIDEO_FFMPEG_DIR"), NO_VISION),
+    other(&["--mtmd-batch-max-tokens"], V, Some("LLAMA_ARG_MTMD_BATCH_MAX_TOKENS"), NO_MTMD_BATCH),
+    other(&["--video-fps"], V, Some("LLAMA_ARG_VIDEO_FPS"), NO_VIDEO),
+    other(&["--video-timestamp-interval"], V, Some("LLAMA_ARG_VIDEO_TIMESTAMP_INTERVAL"), NO_VIDEO),
+    other(&["--video-ffmpeg-dir"], V, Some("LLAMA_ARG_VIDEO_FFMPEG_DIR"), NO_VIDEO),
     other(&["--rpc"], V, Some("LLAMA_ARG_RPC"), refuse("tern has no RPC backend")),
     other(&["-lm", "--load-mode"], V, Some("LLAMA_ARG_LOAD_MODE"), warn("tern memory-maps the model file and reads it once at load")),
     other(&["-lzm", "--lazy-mode"], V, Some("LLAMA_ARG_LAZY_MODE"), warn("tern keeps every tensor resident")),
@@ -415,7 +420,7 @@ pub const OPTIONS: &[Opt] = &[
     switch(&["--props"], Some("LLAMA_ARG_ENDPOINT_PROPS"), "props"),
     pair(&["--slots"], &["--no-slots"], Some("LLAMA_ARG_ENDPOINT_SLOTS"), "slots"),
     other(&["--slot-save-path"], V, None, refuse("tern cannot save or restore slot caches")),
-    other(&["--media-path"], V, None, NO_VISION),
+    other(&["--media-path"], V, None, NO_MEDIA_PATH),
     other(&["--models-dir"], V, Some("LLAMA_ARG_MODELS_DIR"), NO_ROUTER),
     other(&["--models-preset"], V, Some("LLAMA_ARG_MODELS_PRESET"), NO_ROUTER),
     other(&["--models-max"], V, Some("LLAMA_ARG_MODELS_MAX"), NO_ROUTER),

@@ -412,7 +412,8 @@ pub struct Settings {
     #[arg(long, allow_negative_numbers = true)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sse_ping_interval: Option<i64>,
-    /// Vision projector GGUF (-mm): checked at boot; tern cannot run it yet.
+    /// Vision projector GGUF (-mm): loaded at boot on the model's backend; chat requests may
+    /// then carry image_url parts.
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mmproj: Option<PathBuf>,
@@ -1293,7 +1294,7 @@ impl Sources {
     }
 
     /// The merged settings, validated, with the warnings of every accepted flag that changes
-    /// nothing: the table's, and those that depend on the value (`-ngl 99`, `--mmproj`).
+    /// nothing: the table's, and those that depend on the value (`-ngl 99`).
     pub fn resolve(&self) -> Result<Resolved, ConfigError> {
         let s = self.merged();
         s.validate().map_err(|e| self.name_source(e))?;
@@ -1310,12 +1311,6 @@ impl Sources {
             notes.push(Note {
                 origin: self.origin_of("parallel", "-1"),
                 why: "tern has no automatic slot count: it runs 1 slot".into(),
-            });
-        }
-        if let Some(p) = &s.mmproj {
-            notes.push(Note {
-                origin: self.origin_of("mmproj", &p.display().to_string()),
-                why: "tern cannot run vision projectors yet: the file is checked at boot, and requests with image parts get a 400".into(),
             });
         }
         Ok(Resolved { settings: s, notes })

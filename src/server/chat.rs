@@ -32,7 +32,10 @@ use crate::runtime::engine::{Event, Finish, FinishReason};
 
 /// A chat request rendered to its prompt.
 pub struct RenderedChat {
+    /// The prompt, with `marker` where each of `images` goes.
     pub prompt: String,
+    pub images: Vec<ImagePart>,
+    pub marker: String,
     pub parser: ParserConfig,
     /// What the output is constrained to (response_format, json_schema, grammar, a forced
     /// tool call).
@@ -41,22 +44,107 @@ pub struct RenderedChat {
 
 const ROLES: &str = "system, user, assistant, tool";
 
-fn vision_refusal(state: &AppState, i: usize, kind: &str) -> ApiError {
-    let why = match &state.cfg.mmproj {
-        Some(p) => format!(
-            "a projector was given (--mmproj {p}) but this tern build cannot run vision models yet"
-        ),
-        None => "this server was started without a multimodal projector (--mmproj)".to_string(),
-    };
+/// An image part of a message: where it was (for errors) and its file's bytes.
+pub struct ImagePart {
+    pub at: String,
+    pub bytes: Vec<u8>,
+}
+
+fn vision_refusal(i: usize, kind: &str) -> ApiError {
     ApiError::bad_request(format!(
-        "messages[{i}] has an {kind} part: image input is not supported: {why}"
+        "messages[{i}] has an {kind} part: image input is not supported: this server was started without a multimodal projector (--mmproj)"
     ))
+}
+
+/// The bytes of an `image_url` part's URL: a `data:image/...;base64,` URL or bare base64, as
+/// llama-server reads them. A remote URL is refused: the server never fetches anything (no
+/// request can make it reach another host), nor reads local files.
+fn image_bytes(at: &str, part: &Value) -> Result<Vec<u8>, ApiError> {
+    use base64::Engine as _;
+    let url = match part.get("image_url") {
+        Some(Value::String(u)) => u.as_str(),
+        Some(Value::Object(o)) => match o.get("url") {
+            Some(Value::String(u)) => u.as_str(),
+            _ => {
+                return Err(ApiError::bad_request(format!(
+                    "{at}.image_url has no string 'url'"
+                )))
+            }
+        },
+        _ => {
+            return Err(ApiError::bad_request(format!(
+                "{at} is an image_url part without 'image_url' (an object with 'url', or the URL)"
+            )))
+        }
+    };
+    let lower = url.get(..8).unwrap_or(url).to_ascii_lowercase();
+    if lower.starts_with("http://") || lower.starts_with("https:/") {
+        return Err(ApiError::bad_request(format!(
+            "{at}: remote image URLs are not fetched (this server never downloads anything); send the image inline as a data:image/...;base64 URL"
+        )));
+    }
+    if lower.starts_with("file:") {
+        return Err(ApiError::bad_request(format!(
+            "{at}: file:// URLs are not read; send the image inline as a data:image/...;base64 URL"
+        )));
+    }
+    let data = match url.strip_prefix("data:") {
+        Some(rest) => {
+            let Some((head, data)) = rest.split_once(',') else {
+                return Err(ApiError::bad_request(format!(
+                    "{at}: the data URL has no ',' before its data"
+                )));
+            };
+            if !head.starts_with("image/") {
+                return Err(ApiError::bad_request(format!(
+                    "{at}: the data URL's type is {head:?}; only images (data:image/...) are read"
+                )));
+            }
+            if !head.ends_with(";base64") {
+                return Err(ApiError::bad_request(format!(
+                    "{at}: the data URL must be base64-encoded (data:image/...;base64,...)"
+                )));
+            }
+            data
+        }
+        None => url,
+    };
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(data.trim())
+        .map_err(|e| ApiError::bad_request(format!("{at}: the image is not valid base64: {e}")))?;
+    if bytes.is_empty() {
+        return Err(ApiError::bad_request(format!("{at}: the image is empty")));
+    }
+    Ok(bytes)
+}
+
+/// A message's parts as one string, as llama-server gives the template a message with media:
+/// the parts joined by newlines, none before or after an image's marker.
+fn join_parts(parts: &[Value], marker: &str) -> String {
+    let mut text = String::new();
+    let mut after_marker = false;
+    for p in parts {
+        let t = p["text"].as_str().unwrap_or_default();
+        let is_marker = p["type"] == "media_marker";
+        if !is_marker && !after_marker && !text.is_empty() {
+            text.push('\n');
+        }
+        text.push_str(if is_marker { marker } else { t });
+        after_marker = is_marker;
+    }
+    text
 }
 
 /// Checks the messages and puts them in the shape the template reads: `developer` becomes
 /// `system`, tool-call arguments given as JSON text become objects (the Qwen3.5 template
-/// iterates them), media parts are refused.
-pub fn normalize_messages(state: &AppState, v: Option<&Value>) -> Result<Value, ApiError> {
+/// iterates them). Each image part is taken out, and its message's content becomes one string
+/// with `marker` in its place (llama-server's media marker); without a projector an image part
+/// is refused.
+pub fn normalize_messages(
+    state: &AppState,
+    v: Option<&Value>,
+    marker: &str,
+) -> Result<(Value, Vec<ImagePart>), ApiError> {
     let arr = match v {
         None => return Err(ApiError::bad_request("'messages' is required")),
         Some(Value::Array(a)) => a,
@@ -71,6 +159,7 @@ pub fn normalize_messages(state: &AppState, v: Option<&Value>) -> Result<Value, 
         return Err(ApiError::bad_request("'messages' must not be empty"));
     }
     let mut out = Vec::with_capacity(arr.len());
+    let mut images = Vec::new();
     for (i, m) in arr.iter().enumerate() {
         let Value::Object(obj) = m else {
             return Err(ApiError::bad_request(format!(
@@ -127,8 +216,21 @@ pub fn normalize_messages(state: &AppState, v: Option<&Value>) -> Result<Value, 
                             )))
                             }
                         },
-                        "image_url" | "input_image" | "image" => {
-                            return Err(vision_refusal(state, i, ty))
+                        "image_url" | "input_image" | "image" if state.cfg.vision.is_none() => {
+                            return Err(vision_refusal(i, ty))
+                        }
+                        "image_url" => {
+                            let at = format!("messages[{i}].content[{j}]");
+                            images.push(ImagePart {
+                                bytes: image_bytes(&at, p)?,
+                                at,
+                            });
+                            norm.push(json!({"type": "media_marker"}));
+                        }
+                        "input_image" | "image" => {
+                            return Err(ApiError::bad_request(format!(
+                                "messages[{i}].content[{j}]: {ty} parts are not read; send an image as {{\"type\": \"image_url\", \"image_url\": {{\"url\": \"data:image/png;base64,...\"}}}}"
+                            )))
                         }
                         "input_audio" | "audio" | "video" | "video_url" | "file" => {
                             return Err(ApiError::bad_request(format!(
@@ -147,7 +249,12 @@ pub fn normalize_messages(state: &AppState, v: Option<&Value>) -> Result<Value, 
                         }
                     }
                 }
-                msg.insert("content".into(), Value::Array(norm));
+                let content = if norm.iter().any(|p| p["type"] == "media_marker") {
+                    Value::String(join_parts(&norm, marker))
+                } else {
+                    Value::Array(norm)
+                };
+                msg.insert("content".into(), content);
             }
             Some(other) => {
                 return Err(ApiError::bad_request(format!(
@@ -171,7 +278,7 @@ pub fn normalize_messages(state: &AppState, v: Option<&Value>) -> Result<Value, 
         }
         out.push(Value::Object(msg));
     }
-    Ok(Value::Array(out))
+    Ok((Value::Array(out), images))
 }
 
 fn normalize_tool_calls(i: usize, v: Option<&Value>) -> Result<Value, ApiError> {
@@ -295,7 +402,9 @@ fn parse_tool_choice(body: &Obj) -> Result<(String, Option<String>), ApiError> {
 
 /// Renders a chat request's prompt (`/v1/chat/completions`, `/apply-template`).
 pub fn render_chat(state: &AppState, body: &Obj) -> Result<RenderedChat, ApiError> {
-    let messages = normalize_messages(state, body.get("messages"))?;
+    // Drawn per request, so that no text a client writes can pass for an image.
+    let marker = format!("<__media_{}__>", crate::chat::random_id(16));
+    let (messages, images) = normalize_messages(state, body.get("messages"), &marker)?;
     let tools = parse_tools(body)?;
     let (tool_choice, tool_name) = parse_tool_choice(body)?;
     let grammar = chat_grammar(body, tools.as_ref(), &tool_choice, tool_name.as_deref())?;
@@ -407,6 +516,8 @@ pub fn render_chat(state: &AppState, body: &Obj) -> Result<RenderedChat, ApiErro
     };
     Ok(RenderedChat {
         prompt,
+        images,
+        marker,
         parser,
         grammar,
     })
@@ -602,7 +713,16 @@ fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat, ApiError
         Endpoint::Chat,
     )?;
     gen.lora = state.lora.for_request(&body)?;
-    let ids = tokenize(state, &rendered.prompt)?;
+    let (ids, images) = if rendered.images.is_empty() {
+        (tokenize(state, &rendered.prompt)?, Vec::new())
+    } else {
+        super::vision::prompt_with_images(
+            state,
+            &rendered.prompt,
+            &rendered.marker,
+            &rendered.images,
+        )?
+    };
     check_prompt(state, &ids)?;
     let constraint = rendered
         .grammar
@@ -615,6 +735,7 @@ fn prepare_chat(state: &AppState, bytes: &[u8]) -> Result<PreparedChat, ApiError
     );
     let budget = reasoning_budget(state, &body, &rendered.prompt)?;
     let mut req = request_of(state, ids, &gen, constraint);
+    req.images = images;
     req.reasoning_budget = budget;
     Ok(PreparedChat {
         req,

@@ -59,7 +59,12 @@ pub fn check_prompt(state: &AppState, ids: &[u32]) -> Result<(), ApiError> {
         return Err(ApiError::exceed_context(ids.len(), n_ctx));
     }
     let n_vocab = state.cfg.meta.n_vocab;
-    if let Some((i, t)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= n_vocab) {
+    let image_row = crate::runtime::engine::IMAGE_ROW;
+    if let Some((i, t)) = ids
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t != image_row && t as usize >= n_vocab)
+    {
         return Err(ApiError::bad_request(format!(
             "prompt token {i} = {t} is outside the vocabulary (n_vocab {n_vocab})"
         )));
@@ -337,6 +342,7 @@ pub(super) fn request_of(
 ) -> Request {
     Request {
         prompt: ids,
+        images: Vec::new(),
         max_tokens: gen
             .max_tokens
             .or(state.cfg.n_predict)

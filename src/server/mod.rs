@@ -24,6 +24,7 @@ pub mod request;
 pub mod routes;
 pub mod state;
 pub mod systemd;
+pub mod vision;
 pub mod webui;
 
 use std::net::SocketAddr;
@@ -42,6 +43,7 @@ use crate::backend::Backend;
 use crate::chat::ChatTemplate;
 use crate::config::{Reasoning, ReasoningFormat, Settings};
 use crate::gguf::Gguf;
+use crate::model::vision::VisionConfig;
 use crate::plan::boot::{self as boot, OpenedModel};
 use crate::plan::{BackendKind, Ledger, Shape};
 use crate::runtime::engine::{Engine, EngineConfig, Threads};
@@ -221,13 +223,14 @@ fn start_engine<B: Backend + 'static>(
     cfg: EngineConfig,
     threads: Threads,
     adapters: &[PathBuf],
+    projector: Option<Arc<Gguf>>,
 ) -> Result<Engine>
 where
     B::W: 'static,
 {
     boot::read_with_progress(&file);
     let m = boot::load_model(&be, file, adapters, cfg.spec.is_some())?;
-    Ok(Engine::start_with(m, be, tok, cfg, threads)?)
+    Ok(Engine::start_full(m, be, tok, cfg, threads, projector)?)
 }
 
 type Loader = Box<dyn FnOnce() -> Result<Engine> + Send>;
@@ -279,9 +282,9 @@ fn readable(what: &str, p: &Path) -> Result<()> {
     Ok(())
 }
 
-/// The projector and the adapters must exist even though tern cannot run them yet: a path at
-/// a missing file is a boot refusal, never silent blindness. The projector's header is read: a
-/// file that is not a GGUF vision projector (`general.architecture` clip) is refused too.
+/// The projector and the adapters must exist: a path at a missing file is a boot refusal, never
+/// silent blindness. The projector's header is read: a file that is not a GGUF vision projector
+/// (`general.architecture` clip) is refused too.
 fn check_side_files(s: &Settings) -> Result<()> {
     if let Some(p) = &s.mmproj {
         readable("projector (--mmproj)", p)?;
@@ -300,6 +303,34 @@ fn check_side_files(s: &Settings) -> Result<()> {
         readable("LoRA adapter (--lora / --lora-scaled)", &l.path)?;
     }
     Ok(())
+}
+
+/// The projector (`--mmproj`), its hparams checked against the text model (a projector for
+/// another width, or with deepstack layers, is refused here, before any weight loads), and the
+/// text model's vocabulary checked for the tokens an image is wrapped in.
+fn open_projector(
+    s: &Settings,
+    n_embd: usize,
+    tok: &Tokenizer,
+) -> Result<Option<(Arc<Gguf>, VisionConfig)>> {
+    let Some(p) = &s.mmproj else {
+        return Ok(None);
+    };
+    let what = || format!("the projector (--mmproj) {}", p.display());
+    let g = Arc::new(Gguf::open(p).with_context(what)?);
+    let cfg = VisionConfig::from_gguf(&g, n_embd).with_context(what)?;
+    for t in [
+        crate::model::vision::VISION_START,
+        crate::model::vision::VISION_END,
+    ] {
+        if tok.token_id(t).is_none() {
+            bail!(
+                "{}: the text model's vocabulary has no {t} token, which a Qwen-VL image needs around it: this projector does not belong to this model",
+                what()
+            );
+        }
+    }
+    Ok(Some((g, cfg)))
 }
 
 /// The chat template: `--chat-template-file`, `--chat-template` (`chatml` or Jinja source),
@@ -410,6 +441,7 @@ fn server_config(
     ledger: &Ledger,
     backend: &str,
     api_keys: Vec<String>,
+    vision: Option<VisionConfig>,
 ) -> Result<ServerConfig> {
     let (sampler, fixed_seed) =
         boot::sampler(&model.file, s).map_err(|e| anyhow::anyhow!("bad sampling settings: {e}"))?;
@@ -479,7 +511,7 @@ fn server_config(
         },
         reasoning_format: s.reasoning_format.unwrap_or(ReasoningFormat::Deepseek),
         reasoning: s.reasoning.unwrap_or(Reasoning::Auto),
-        mmproj: s.mmproj.as_ref().map(|p| p.display().to_string()),
+        vision,
         embeddings: s
             .embeddings
             .unwrap_or(false)
@@ -521,6 +553,7 @@ pub fn prepare(settings: Settings) -> Result<Prepared> {
             .with_context(|| format!("the tokenizer of {}", model.path))?,
     );
     let template = chat_template(&s, &model.file)?;
+    let projector = open_projector(&s, mcfg.n_embd, &tok)?;
     let picked = crate::backend::pick::pick_serving(s.backend_kind().name(), s.cpu_exact())?;
     let shape = settled_shape(&s, mcfg.context_length as u64, picked_kind(&picked))?;
     let ledger = boot::plan(&model.file, &shape, s.device_mib, &model.path)?;
@@ -535,19 +568,21 @@ pub fn prepare(settings: Settings) -> Result<Prepared> {
         &ledger,
         picked.name(),
         api_keys,
+        projector.as_ref().map(|p| p.1.clone()),
     )?;
     let lora = lora_state(&s)?;
     let state = Arc::new(AppState::new(cfg, tok.clone(), template).with_lora(lora));
     let threads = boot::threads(&s);
     let file = model.file.clone();
     let adapters: Vec<PathBuf> = s.adapters().into_iter().map(|l| l.path).collect();
+    let proj = projector.map(|p| p.0);
     let loader: Loader = Box::new(move || {
         let a = &adapters;
         let engine = match picked {
-            Picked::Cpu(be) => start_engine(be, file, tok, ecfg, threads, a),
-            Picked::Wgpu(be) => start_engine(be, file, tok, ecfg, threads, a),
+            Picked::Cpu(be) => start_engine(be, file, tok, ecfg, threads, a, proj),
+            Picked::Wgpu(be) => start_engine(be, file, tok, ecfg, threads, a, proj),
             #[cfg(feature = "cuda")]
-            Picked::Cuda(be) => start_engine(be, file, tok, ecfg, threads, a),
+            Picked::Cuda(be) => start_engine(be, file, tok, ecfg, threads, a, proj),
         }?;
         boot::report(&ledger, &engine.allocated);
         Ok(engine)

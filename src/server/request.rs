@@ -227,6 +227,17 @@ fn check_not_implemented(m: &Obj) -> Result<(), ApiError> {
             )));
         }
     }
+    // Ollama's top-level image list: the model would never see it (the seeds' deployment
+    // counted it in prompt_tokens all the same), so it is refused rather than dropped.
+    match field(m, "images") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "'images' (a top-level list of images) is not read: send each image as an image_url part of a message's content, {\"type\": \"image_url\", \"image_url\": {\"url\": \"data:image/png;base64,...\"}}",
+            ))
+        }
+    }
     if let Some(id) = opt_i64(m, "id_slot")? {
         if id >= 0 {
             return Err(ApiError::bad_request(format!(

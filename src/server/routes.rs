@@ -278,7 +278,7 @@ async fn props(State(state): State<Arc<AppState>>) -> Response {
         "total_slots": c.total_slots,
         "model_alias": c.alias,
         "model_path": c.model_path,
-        "modalities": { "vision": false, "video": false, "audio": false },
+        "modalities": { "vision": c.vision.is_some(), "video": false, "audio": false },
         "endpoint_slots": c.endpoint_slots,
         "endpoint_props": c.endpoint_props,
         "endpoint_metrics": c.metrics,
@@ -462,7 +462,11 @@ async fn apply_template(State(state): State<Arc<AppState>>, body: RawBody) -> Re
     })
     .await;
     match r {
-        Ok(c) => Json(json!({ "prompt": c.prompt })).into_response(),
+        // llama.cpp's default marker where each image goes (the request's own is random).
+        Ok(c) => Json(
+            json!({ "prompt": c.prompt.replace(&c.marker, crate::model::vision::MEDIA_MARKER) }),
+        )
+        .into_response(),
         Err(e) => e.into_response(),
     }
 }

@@ -103,8 +103,9 @@ pub struct ServerConfig {
     pub embeddings: Option<crate::runtime::engine::Pooling>,
     pub reasoning_format: ReasoningFormat,
     pub reasoning: Reasoning,
-    /// A projector file was given (`--mmproj`); tern cannot run it yet.
-    pub mmproj: Option<String>,
+    /// The projector's tower (`--mmproj`): images are sized for it before they go to the
+    /// engine, which loaded its weights.
+    pub vision: Option<crate::model::vision::VisionConfig>,
     pub n_ctx_slot: usize,
     pub total_slots: usize,
     /// Model file defaults, then the flags.
