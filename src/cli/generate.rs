@@ -3,7 +3,9 @@
 //! It reads the same settings as `serve` (the one flag table, the environment, `--config`):
 //! `--ctx-size` is the pool of all slots, `-n` the tokens to generate (-1 = until the slot
 //! window is full or the model ends), `--parallel N` runs the prompt once per slot (seeds
-//! seed, seed+1, ...). The text goes to stdout, the timings to stderr.
+//! seed, seed+1, ...). The text goes to stdout, the timings to stderr. With `--mmproj P
+//! --image F` each image goes where the prompt has a `<__media__>` marker, or before the prompt
+//! when it has none (as llama-mtmd-cli does).
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -17,9 +19,11 @@ use crate::backend::Backend;
 use crate::config::flags::Rewritten;
 use crate::config::Settings;
 use crate::gguf::Gguf;
+use crate::model::vision::{VisionConfig, MEDIA_MARKER};
 use crate::plan::boot;
 use crate::plan::BackendKind;
 use crate::runtime::engine::{Engine, EngineConfig, Event, Request, Threads};
+use crate::runtime::media::prompt_with_images;
 use crate::runtime::sampler::SamplerConfig;
 use crate::tokenizer::Tokenizer;
 
@@ -28,6 +32,9 @@ pub struct GenerateArgs {
     /// The prompt (special tokens are parsed).
     #[arg(long, short = 'p')]
     pub prompt: String,
+    /// An image for the prompt (PNG, JPEG, WebP, GIF), with --mmproj; repeat for several.
+    #[arg(long, value_name = "FILE")]
+    pub image: Vec<PathBuf>,
     /// YAML config file; the environment (LLAMA_ARG_*) and flags override its keys.
     #[arg(long, value_name = "FILE.yaml")]
     pub config: Option<PathBuf>,
@@ -79,8 +86,28 @@ pub fn run(args: &GenerateArgs, given: Rewritten) -> Result<()> {
         Some(n) if n >= 0 => n as usize,
         _ => cfg.n_ctx_slot(),
     };
+    if !args.image.is_empty() && s.mmproj.is_none() {
+        bail!("--image needs a projector: give its GGUF with --mmproj");
+    }
+    let images = args
+        .image
+        .iter()
+        .map(|p| std::fs::read(p).with_context(|| format!("reading the image {}", p.display())))
+        .collect::<Result<Vec<_>>>()?;
+    let projector = match (&s.mmproj, images.is_empty()) {
+        (Some(p), false) => {
+            let g = Gguf::open(p)
+                .with_context(|| format!("the projector (--mmproj) {}", p.display()))?;
+            let vcfg = VisionConfig::from_gguf(&g, mcfg.n_embd)
+                .with_context(|| format!("the projector (--mmproj) {}", p.display()))?;
+            Some((Arc::new(g), vcfg))
+        }
+        _ => None,
+    };
     let job = Job {
         prompt: &args.prompt,
+        images,
+        projector,
         n,
         sampler,
         ignore_eos: s.ignore_eos.unwrap_or(false),
@@ -100,6 +127,8 @@ pub fn run(args: &GenerateArgs, given: Rewritten) -> Result<()> {
 
 struct Job<'a> {
     prompt: &'a str,
+    images: Vec<Vec<u8>>,
+    projector: Option<(Arc<Gguf>, VisionConfig)>,
     n: usize,
     sampler: SamplerConfig,
     ignore_eos: bool,
@@ -125,17 +154,31 @@ where
     boot::read_with_progress(&file);
     let paths: Vec<_> = job.adapters.iter().map(|l| l.path.clone()).collect();
     let m = boot::load_model(&be, file, &paths, cfg.spec.is_some())?;
-    let ids = tok.encode(job.prompt, true, true)?;
+    let (ids, images) = match &job.projector {
+        Some((_, vcfg)) => {
+            // No marker: the images go first, as llama-mtmd-cli puts them.
+            let prompt = if job.prompt.contains(MEDIA_MARKER) {
+                job.prompt.to_string()
+            } else {
+                MEDIA_MARKER.repeat(job.images.len()) + job.prompt
+            };
+            let bytes: Vec<&[u8]> = job.images.iter().map(Vec::as_slice).collect();
+            prompt_with_images(&tok, vcfg, &prompt, MEDIA_MARKER, &bytes)?
+        }
+        None => (tok.encode(job.prompt, true, true)?, Vec::new()),
+    };
     if ids.is_empty() {
         bail!("the prompt tokenizes to nothing");
     }
-    let engine = Engine::start_with(m, be, tok, cfg.clone(), job.threads)?;
+    let proj = job.projector.as_ref().map(|p| p.0.clone());
+    let engine = Engine::start_full(m, be, tok, cfg.clone(), job.threads, proj)?;
     boot::report(ledger, &engine.allocated);
     let t0 = Instant::now();
     let handles: Vec<_> = (0..cfg.parallel)
         .map(|i| {
             engine.submit(Request {
                 prompt: ids.clone(),
+                images: images.clone(),
                 max_tokens: job.n,
                 sampler: SamplerConfig {
                     seed: job.sampler.seed + i as u64,
