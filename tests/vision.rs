@@ -422,7 +422,12 @@ mod engine_images {
             },
             spec,
         };
-        let p = projector.then(|| Arc::new(Gguf::open(vision_dir().join(PROJECTOR)).unwrap()));
+        let p = projector.then(|| {
+            (
+                Arc::new(Gguf::open(vision_dir().join(PROJECTOR)).unwrap()),
+                tokenizer().1,
+            )
+        });
         Engine::start_full(m, be, tok, cfg, Default::default(), p).unwrap()
     }
 

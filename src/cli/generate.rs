@@ -98,8 +98,11 @@ pub fn run(args: &GenerateArgs, given: Rewritten) -> Result<()> {
         (Some(p), false) => {
             let g = Gguf::open(p)
                 .with_context(|| format!("the projector (--mmproj) {}", p.display()))?;
-            let vcfg = VisionConfig::from_gguf(&g, mcfg.n_embd)
-                .with_context(|| format!("the projector (--mmproj) {}", p.display()))?;
+            let what = || format!("the projector (--mmproj) {}", p.display());
+            let mut vcfg = VisionConfig::from_gguf(&g, mcfg.n_embd).with_context(what)?;
+            let (min, max) = s.image_token_limits();
+            vcfg.set_token_limits(min.map(|n| n as usize), max.map(|n| n as usize))
+                .with_context(what)?;
             Some((Arc::new(g), vcfg))
         }
         _ => None,
@@ -170,7 +173,7 @@ where
     if ids.is_empty() {
         bail!("the prompt tokenizes to nothing");
     }
-    let proj = job.projector.as_ref().map(|p| p.0.clone());
+    let proj = job.projector.clone();
     let engine = Engine::start_full(m, be, tok, cfg.clone(), job.threads, proj)?;
     boot::report(ledger, &engine.allocated);
     let t0 = Instant::now();

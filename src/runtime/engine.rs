@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use crate::backend::{Backend, KvTypes};
 use crate::gguf::Gguf;
-use crate::model::vision::{Prepared, Projector};
+use crate::model::vision::{Prepared, Projector, VisionConfig};
 use crate::model::{BatchItem, ImageRows, Model, ModelError};
 use crate::tokenizer::Tokenizer;
 
@@ -485,16 +485,17 @@ impl Engine {
         Engine::start_full(model, be, tok, config, threads, None)
     }
 
-    /// [`Engine::start_with`] and a vision projector (`--mmproj`), loaded at boot on the
-    /// model's backend by the engine's thread, which runs every image through it: encodes are
-    /// serialized with the steps, whatever the number of slots.
+    /// [`Engine::start_with`] and a vision projector (`--mmproj`, with the tower's checked
+    /// hparams and token limits), loaded at boot on the model's backend by the engine's thread,
+    /// which runs every image through it: encodes are serialized with the steps, whatever the
+    /// number of slots.
     pub fn start_full<B: Backend + 'static>(
         model: Model<B>,
         be: B,
         tok: Arc<Tokenizer>,
         config: EngineConfig,
         threads: Threads,
-        projector: Option<Arc<Gguf>>,
+        projector: Option<(Arc<Gguf>, VisionConfig)>,
     ) -> Result<Engine, EngineError>
     where
         B::W: 'static,
@@ -731,12 +732,18 @@ impl<B: Backend> Worker<B> {
         tok: Arc<Tokenizer>,
         cfg: EngineConfig,
         metrics: Arc<Mutex<Metrics>>,
-        projector: Option<Arc<Gguf>>,
+        projector: Option<(Arc<Gguf>, VisionConfig)>,
     ) -> Result<(Self, crate::plan::Allocated), EngineError> {
         let projector = projector
-            .map(|f| Projector::load(&be, f, model.cfg.n_embd))
+            .map(|(f, vcfg)| {
+                let mut p = Projector::load(&be, f, model.cfg.n_embd)?;
+                p.set_token_limits(Some(vcfg.min_tokens), Some(vcfg.max_tokens))?;
+                Ok(p)
+            })
             .transpose()
-            .map_err(|e| EngineError::Config(format!("the projector (--mmproj): {e}")))?;
+            .map_err(|e: crate::model::vision::VisionError| {
+                EngineError::Config(format!("the projector (--mmproj): {e}"))
+            })?;
         let mut slots = Vec::with_capacity(cfg.parallel);
         let gp = model.cfg.gdn_params();
         for _ in 0..cfg.parallel {
@@ -818,6 +825,10 @@ impl<B: Backend> Worker<B> {
                 t.add(be.weight_bytes(&p.b));
             }
             a.lora = a.lora.saturating_add(t.total());
+        }
+        if let Some(p) = &self.projector {
+            (a.projector, a.vision_compute, a.vision_how) =
+                crate::plan::boot::projector_allocated(be, p);
         }
         let heap = crate::alloc::mark();
         // Every adapter on, so the step measures their compute too.

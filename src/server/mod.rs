@@ -223,7 +223,7 @@ fn start_engine<B: Backend + 'static>(
     cfg: EngineConfig,
     threads: Threads,
     adapters: &[PathBuf],
-    projector: Option<Arc<Gguf>>,
+    projector: Option<(Arc<Gguf>, VisionConfig)>,
 ) -> Result<Engine>
 where
     B::W: 'static,
@@ -318,7 +318,10 @@ fn open_projector(
     };
     let what = || format!("the projector (--mmproj) {}", p.display());
     let g = Arc::new(Gguf::open(p).with_context(what)?);
-    let cfg = VisionConfig::from_gguf(&g, n_embd).with_context(what)?;
+    let mut cfg = VisionConfig::from_gguf(&g, n_embd).with_context(what)?;
+    let (min, max) = s.image_token_limits();
+    cfg.set_token_limits(min.map(|n| n as usize), max.map(|n| n as usize))
+        .with_context(what)?;
     for t in [
         crate::model::vision::VISION_START,
         crate::model::vision::VISION_END,
@@ -575,14 +578,13 @@ pub fn prepare(settings: Settings) -> Result<Prepared> {
     let threads = boot::threads(&s);
     let file = model.file.clone();
     let adapters: Vec<PathBuf> = s.adapters().into_iter().map(|l| l.path).collect();
-    let proj = projector.map(|p| p.0);
     let loader: Loader = Box::new(move || {
         let a = &adapters;
         let engine = match picked {
-            Picked::Cpu(be) => start_engine(be, file, tok, ecfg, threads, a, proj),
-            Picked::Wgpu(be) => start_engine(be, file, tok, ecfg, threads, a, proj),
+            Picked::Cpu(be) => start_engine(be, file, tok, ecfg, threads, a, projector),
+            Picked::Wgpu(be) => start_engine(be, file, tok, ecfg, threads, a, projector),
             #[cfg(feature = "cuda")]
-            Picked::Cuda(be) => start_engine(be, file, tok, ecfg, threads, a, proj),
+            Picked::Cuda(be) => start_engine(be, file, tok, ecfg, threads, a, projector),
         }?;
         boot::report(&ledger, &engine.allocated);
         Ok(engine)
