@@ -51,6 +51,10 @@ fn serve(port: u16, extra: &[String]) -> Server {
         .args(["--parallel", "2", "--ctx-size", "512"])
         // llama.cpp's golden ran with an f32 cache.
         .args(["--cache-type-k", "f32", "--cache-type-v", "f32"])
+        // The golden ids are compared one for one: on this random tiny model the int8 serving
+        // path (NMSE ~6e-3 from the exact one, tests/ops_int8.rs) flips near-tied greedy picks,
+        // so the scales are checked on the f32 reference path the goldens agree with.
+        .arg("--cpu-exact")
         .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
