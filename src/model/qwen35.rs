@@ -312,10 +312,22 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         all_rows: bool,
     ) -> Result<Output<B::T>, ModelError> {
+        self.forward_one(be, st, tokens, None, all_rows)
+    }
+
+    /// One sequence's batch: `tokens`, or an image's rows.
+    fn forward_one(
+        &self,
+        be: &B,
+        st: &mut SeqState<B>,
+        tokens: &[u32],
+        image: Option<ImageRows<'_, B::T>>,
+        all_rows: bool,
+    ) -> Result<Output<B::T>, ModelError> {
         let mut items = [BatchItem {
             seq: st,
             tokens,
-            image: None,
+            image,
             all_rows,
             hidden_rows: false,
             snapshot: false,
@@ -338,24 +350,14 @@ impl<B: Backend> Model<B> {
         cols: usize,
         all_rows: bool,
     ) -> Result<Output<B::T>, ModelError> {
-        let mut items = [BatchItem {
-            seq: st,
-            tokens: &[],
-            image: Some(ImageRows {
-                embd,
-                rows,
-                cols,
-                first: 0,
-                n: rows * cols,
-            }),
-            all_rows,
-            hidden_rows: false,
-            snapshot: false,
-        }];
-        Ok(self
-            .forward_batch(be, &mut items)?
-            .pop()
-            .expect("one output per item"))
+        let image = ImageRows {
+            embd,
+            rows,
+            cols,
+            first: 0,
+            n: rows * cols,
+        };
+        self.forward_one(be, st, &[], Some(image), all_rows)
     }
 
     /// One step over several sequences at once (model-qwen35.md §3): every matmul runs once
@@ -514,13 +516,7 @@ impl<B: Backend> Model<B> {
         h_prev: &B::T,
     ) -> Result<Output<B::T>, ModelError> {
         let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
-        let c = self.mtp_block(be, st, tokens, h_prev)?;
-        let eps = self.cfg.eps;
-        let h = be.rms_norm(
-            &c,
-            mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),
-            eps,
-        );
+        let h = self.mtp_hidden(be, st, tokens, h_prev)?;
         let (site, head) = match &mtp.head {
             Some(w) => (Site::MtpHead, w),
             None => (Site::Output, &self.w.output),
@@ -551,14 +547,26 @@ impl<B: Backend> Model<B> {
         let Some(d) = mtp.draft_head.as_ref().filter(|_| !adapted) else {
             return self.mtp_forward(be, st, tokens, h_prev);
         };
+        let h = self.mtp_hidden(be, st, tokens, h_prev)?;
+        let logits = be.matmul(&d.w, &h);
+        Ok(Output { logits, h })
+    }
+
+    /// The MTP block's output through the head norm: the rows a head scores.
+    fn mtp_hidden(
+        &self,
+        be: &B,
+        st: &mut MtpState<B>,
+        tokens: &[u32],
+        h_prev: &B::T,
+    ) -> Result<B::T, ModelError> {
+        let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
         let c = self.mtp_block(be, st, tokens, h_prev)?;
-        let h = be.rms_norm(
+        Ok(be.rms_norm(
             &c,
             mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),
             self.cfg.eps,
-        );
-        let logits = be.matmul(&d.w, &h);
-        Ok(Output { logits, h })
+        ))
     }
 
     /// The MTP block over `tokens` for its cache alone (prompt rows and accepted rows): the
