@@ -258,7 +258,7 @@ pub struct Constraint {
     dormant: bool,
     think_end: Option<u32>,
     words: usize,
-    /// How long the last `masks_for` took (the engine computes cheap masks inline).
+    /// How long the last `masks_for` took (the engine's grammar-cost metric).
     cost: Duration,
 }
 
@@ -309,8 +309,7 @@ impl Constraint {
 
     /// The masks for a verify batch `[last, drafts..]`: row 0 from the current state, then
     /// after each draft in turn (the drafts are consumed tentatively and rolled back). The engine
-    /// runs it before the forward, or beside it on its mask thread when it is slow. Dormant:
-    /// no masks.
+    /// runs it beside the forward, as a job in the forward's thread pool. Dormant: no masks.
     pub fn masks_for(&mut self, drafts: &[u32]) -> Result<Masks, String> {
         if self.dormant {
             return Ok(Vec::new());

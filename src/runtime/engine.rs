@@ -352,6 +352,11 @@ pub struct Metrics {
     pub recurrent_bytes: u64,
     /// The prompt checkpoints' recurrent states (prefix reuse), one copy per slot.
     pub checkpoint_bytes: u64,
+    /// Time the grammars took to compute their masks (beside the forward, on its pool).
+    pub grammar_mask_seconds_total: f64,
+    /// Time steps waited for masks after their forward had finished: the grammars' cost not
+    /// hidden behind the forward.
+    pub grammar_wait_seconds_total: f64,
 }
 
 struct Submitted {
@@ -607,18 +612,7 @@ struct Worker<B: Backend> {
     metrics: Arc<Mutex<Metrics>>,
     closed: bool,
     pools: Pools,
-    masks: Option<MaskWorker>,
 }
-
-/// A constrained slot's grammar on its way to the mask thread: (slot, grammar, drafts).
-type MaskJob = (usize, Constraint, Vec<u32>);
-/// The grammar back with the masks for its verify rows, or why there are none.
-type MaskDone = (usize, Constraint, Result<Masks, String>);
-
-/// A grammar whose last masks took less than this computes them on the engine thread: handing
-/// them to the mask thread and waiting for it to be scheduled costs more than that on a busy
-/// machine (typical JSON grammars take microseconds per mask).
-const INLINE_MASK: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// The masks for a verify batch; a panic inside the grammar engine fails this request only.
 fn guarded_masks(c: &mut Constraint, drafts: &[u32]) -> Result<Masks, String> {
@@ -626,31 +620,9 @@ fn guarded_masks(c: &mut Constraint, drafts: &[u32]) -> Result<Masks, String> {
         .unwrap_or_else(|p| Err(format!("the grammar engine failed: {}", panic_text(&p))))
 }
 
-/// The thread that computes a costly grammar's masks while the forward runs. It lives as
-/// long as the engine: spawning a thread per step costs about as much as a typical mask.
-struct MaskWorker {
-    jobs: Sender<MaskJob>,
-    done: Receiver<MaskDone>,
-}
-
-impl MaskWorker {
-    fn start() -> Result<MaskWorker, EngineError> {
-        let (jobs, job_rx) = mpsc::channel::<MaskJob>();
-        let (done_tx, done) = mpsc::channel::<MaskDone>();
-        std::thread::Builder::new()
-            .name("tern-mask".into())
-            .spawn(move || {
-                for (i, mut c, drafts) in job_rx {
-                    let m = guarded_masks(&mut c, &drafts);
-                    if done_tx.send((i, c, m)).is_err() {
-                        return;
-                    }
-                }
-            })
-            .map_err(|e| EngineError::Grammar(format!("cannot start the mask thread: {e}")))?;
-        Ok(MaskWorker { jobs, done })
-    }
-}
+/// A constrained slot's grammar while its masks are computed beside the forward: (slot,
+/// grammar, drafts, the masks once computed).
+type MaskJob = (usize, Constraint, Vec<u32>, Option<Result<Masks, String>>);
 
 /// The engine's own rayon pools (empty: the global pool).
 #[derive(Clone, Default)]
@@ -799,7 +771,6 @@ impl<B: Backend> Worker<B> {
             metrics,
             closed: false,
             pools: Pools::default(),
-            masks: None,
         };
         let allocated = w.boot_ledger()?;
         Ok((w, allocated))
@@ -959,9 +930,7 @@ impl<B: Backend> Worker<B> {
                 )))
             });
             if let Err(e) = r {
-                // A model error fails the requests in flight, never the process. The mask
-                // thread may still hold their grammars or results: a fresh one starts clean.
-                self.masks = None;
+                // A model error fails the requests in flight, never the process.
                 for i in 0..self.slots.len() {
                     if let Some(t) = self.slots[i].task.take() {
                         let _ = t.tx.send(Event::Error(e.clone()));
@@ -1472,48 +1441,36 @@ impl<B: Backend> Worker<B> {
             return Ok(());
         }
         // The grammar masks for the rows this step samples (a verify batch's rows after the
-        // drafts so far, a prompt's first token): here when they are cheap, else on the mask
-        // thread while the forward runs.
-        let mut mask_jobs = 0usize;
+        // drafts so far, a prompt's first token) are rayon jobs in the forward's own pool: a
+        // worker takes them in the gaps of the forward's parallel loops. A thread of their own
+        // would contend with the pool's workers for the cores, and a preempted worker stalls
+        // every parallel matmul of the step.
+        let mut mask_jobs: Vec<MaskJob> = Vec::new();
         for f in &plan {
-            let (i, prefill) = (&f.slot, &f.prefill);
-            let s = &mut self.slots[*i];
+            let s = &mut self.slots[f.slot];
             let last_chunk = match s.task.as_ref().map(|t| (&t.phase, t.req.prompt.len())) {
                 Some((Phase::Prefill { next }, n)) => next + f.len() >= n,
                 _ => false,
             };
-            if (*prefill && !last_chunk)
+            if (f.prefill && !last_chunk)
                 || !s.dec.constraint.as_ref().is_some_and(Constraint::is_active)
             {
                 continue;
             }
-            let drafts = if *prefill {
+            let drafts = if f.prefill {
                 Vec::new()
             } else {
                 f.tokens[1..].to_vec()
             };
-            let c = s.dec.constraint.as_mut().expect("active");
-            if c.mask_cost() < INLINE_MASK {
-                match guarded_masks(c, &drafts) {
-                    Ok(m) => s.dec.masks = m,
-                    Err(e) => s.dec.constraint_error = Some(e),
-                }
-                continue;
-            }
             let c = s.dec.constraint.take().expect("active");
-            if self.masks.is_none() {
-                self.masks = Some(MaskWorker::start()?);
-            }
-            let w = self.masks.as_ref().expect("started");
-            if let Err(mpsc::SendError((_, c, _))) = w.jobs.send((*i, c, drafts)) {
-                self.slots[*i].dec.constraint = Some(c);
-                self.masks = None;
-                return Err(EngineError::Grammar("the mask thread stopped".into()));
-            }
-            mask_jobs += 1;
+            mask_jobs.push((f.slot, c, drafts, None));
         }
         let t0 = Instant::now();
-        let outs = {
+        let mut forward_s = 0f64;
+        let outs = rayon::in_place_scope(|scope| {
+            for (_, c, drafts, out) in mask_jobs.iter_mut() {
+                scope.spawn(move |_| *out = Some(guarded_masks(c, drafts)));
+            }
             type Parts<'a, B> = (
                 &'a mut crate::model::SeqState<B>,
                 Option<&'a <B as Backend>::T>,
@@ -1557,27 +1514,28 @@ impl<B: Backend> Worker<B> {
                     }
                 })
                 .collect();
-            self.model
-                .forward_batch(&self.be, &mut items)
-                .map_err(model_err)?
-        };
+            let outs = self.model.forward_batch(&self.be, &mut items);
+            forward_s = t0.elapsed().as_secs_f64();
+            outs
+        });
         let step_s = t0.elapsed().as_secs_f64();
-        for _ in 0..mask_jobs {
-            let Some(Ok((i, c, masks))) = self.masks.as_ref().map(|w| w.done.recv()) else {
-                self.masks = None;
-                return Err(EngineError::Grammar("the mask thread stopped".into()));
-            };
+        let mut mask_s = 0f64;
+        for (i, c, _, masks) in mask_jobs {
             let d = &mut self.slots[i].dec;
+            mask_s += c.mask_cost().as_secs_f64();
             d.constraint = Some(c);
-            match masks {
+            match masks.expect("the scope ran every mask job") {
                 Ok(m) => d.masks = m,
                 Err(e) => d.constraint_error = Some(e),
             }
         }
+        let outs = outs.map_err(model_err)?;
         {
             let mut m = self.metrics.lock().unwrap();
             m.n_decode_total += 1;
             m.n_busy_slots_total += plan.len() as u64;
+            m.grammar_mask_seconds_total += mask_s;
+            m.grammar_wait_seconds_total += step_s - forward_s;
         }
         let mut emitted: Vec<(usize, Vec<u32>)> = Vec::new();
         let mut prompt_only: Vec<usize> = Vec::new();

@@ -475,6 +475,9 @@ fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
 struct Run {
     tps: f64,
     cpu_ms: f64,
+    /// Grammar masks per token, and the part of it steps waited for after their forward.
+    mask_us: f64,
+    wait_us: f64,
     acceptance: f64,
     prompt_tps: f64,
     kv: u64,
@@ -482,7 +485,13 @@ struct Run {
     compute: u64,
 }
 
-pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> Result<()> {
+pub fn engine(
+    file: &Path,
+    backend: &str,
+    decode: usize,
+    schema_only: bool,
+    rounds: usize,
+) -> Result<()> {
     use std::sync::Arc;
     use tern::backend::KvTypes;
     use tern::runtime::engine::{Engine, EngineConfig, Request};
@@ -502,7 +511,7 @@ pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> R
     let json_spec = tern::runtime::constraint::GrammarSpec::JsonSchema(schema);
     let mut rows = Vec::new();
     println!(
-        "{:<8} {:>7} {:>6} {:>8} {:>8} {:>14} {:>9} {:>12} {:>9} {:>12} {:>10} {:>10} {:>12} {:>12}",
+        "{:<8} {:>7} {:>6} {:>8} {:>8} {:>14} {:>9} {:>12} {:>9} {:>10} {:>10} {:>12} {:>10} {:>10} {:>12} {:>12}",
         "backend",
         "streams",
         "V",
@@ -512,6 +521,8 @@ pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> R
         "vs plain",
         "cpu ms/tok",
         "vs plain",
+        "mask us/t",
+        "wait us/t",
         "accept",
         "prompt t/s",
         "KV MiB",
@@ -552,7 +563,8 @@ pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> R
                 // Memory: what boot allocated (the boot ledger): KV = trunk + draft caches,
                 // state = recurrent copies + prompt checkpoints, compute = the warm-up's peak.
                 let run = |e: &Engine, constrained: bool| -> Result<Run> {
-                    let before = e.metrics().spec;
+                    let m0 = e.metrics();
+                    let before = m0.spec;
                     let hs: Vec<_> = (0..parallel)
                         .map(|_| {
                             let constraint = if constrained {
@@ -588,12 +600,22 @@ pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> R
                     // The worker publishes its counters right after the step that finished.
                     std::thread::sleep(std::time::Duration::from_millis(100));
                     // This run's acceptance: the counters are the engine's, across runs.
-                    let spec = e.metrics().spec;
+                    let m1 = e.metrics();
+                    let spec = m1.spec;
+                    let per_token_us = |a: f64, b: f64| (b - a) * 1e6 / n.max(1) as f64;
                     let drafted = spec.drafted - before.drafted;
                     let a = &e.allocated;
                     Ok(Run {
                         tps: n as f64 / decode_s.max(1e-9),
                         cpu_ms,
+                        mask_us: per_token_us(
+                            m0.grammar_mask_seconds_total,
+                            m1.grammar_mask_seconds_total,
+                        ),
+                        wait_us: per_token_us(
+                            m0.grammar_wait_seconds_total,
+                            m1.grammar_wait_seconds_total,
+                        ),
                         acceptance: (spec.accepted - before.accepted) as f64
                             / drafted.max(1) as f64,
                         prompt_tps,
@@ -602,25 +624,43 @@ pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> R
                         compute: a.compute.unwrap_or(0),
                     })
                 };
-                // The best of `runs` rounds per variant, the variants taking turns in each
-                // round; a slower run measures the neighbours, not the engine.
-                let runs = 3;
-                let best = |e: &Engine| -> Result<Vec<Run>> {
-                    let mut best: Vec<Option<Run>> = vec![None; variants.len()];
-                    for _ in 0..runs {
+                // `rounds` rounds, the variants taking turns in each. Each variant's row is
+                // its median run, and the schema's cost is the median of its ratio to the
+                // unconstrained run of the same round: the box is shared (and its VM loses CPU
+                // to steal), so only runs seconds apart compare the grammar rather than the load.
+                let best = |e: &Engine| -> Result<Vec<(Run, f64, f64)>> {
+                    let mut runs: Vec<Vec<Run>> = vec![Vec::new(); variants.len()];
+                    for _ in 0..rounds.max(1) {
                         for (k, &constrained) in variants.iter().enumerate() {
-                            let r = run(e, constrained)?;
-                            best[k] = Some(match best[k] {
-                                None => r,
-                                Some(b) => Run {
-                                    tps: b.tps.max(r.tps),
-                                    cpu_ms: b.cpu_ms.min(r.cpu_ms),
-                                    ..if r.tps > b.tps { r } else { b }
-                                },
-                            });
+                            runs[k].push(run(e, constrained)?);
                         }
                     }
-                    Ok(best.into_iter().flatten().collect())
+                    let med =
+                        |f: &dyn Fn(&Run) -> f64, k: usize| median(runs[k].iter().map(f).collect());
+                    Ok((0..variants.len())
+                        .map(|k| {
+                            let mid = |f: &dyn Fn(&Run) -> f64| med(f, k);
+                            let paired = |f: &dyn Fn(&Run) -> f64| {
+                                median(
+                                    runs[k]
+                                        .iter()
+                                        .zip(&runs[0])
+                                        .map(|(r, p)| f(r) / f(p))
+                                        .collect(),
+                                )
+                            };
+                            let r = Run {
+                                tps: mid(&|r| r.tps),
+                                cpu_ms: mid(&|r| r.cpu_ms),
+                                mask_us: mid(&|r| r.mask_us),
+                                wait_us: mid(&|r| r.wait_us),
+                                acceptance: mid(&|r| r.acceptance),
+                                prompt_tps: mid(&|r| r.prompt_tps),
+                                ..runs[k][0]
+                            };
+                            (r, paired(&|r| r.tps), paired(&|r| r.cpu_ms))
+                        })
+                        .collect())
                 };
                 let results = match backend {
                     "wgpu" => {
@@ -635,19 +675,20 @@ pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> R
                     }
                 };
                 let mib = |b: u64| b as f64 / (1 << 20) as f64;
-                let plain = results[0];
-                for (&constrained, r) in variants.iter().zip(&results) {
+                for (&constrained, &(r, tps_ratio, cpu_ratio)) in variants.iter().zip(&results) {
                     let Run {
                         tps,
                         cpu_ms,
+                        mask_us,
+                        wait_us,
                         acceptance: acc,
                         prompt_tps: ptps,
                         kv: kvb,
                         state: rcb,
                         compute: cb,
-                    } = *r;
+                    } = r;
                     println!(
-                        "{:<8} {:>7} {:>6} {:>8} {:>8} {:>14.2} {:>9} {:>12.3} {:>9} {:>12} {:>10.1} {:>10.2} {:>12.2} {:>12.2}",
+                        "{:<8} {:>7} {:>6} {:>8} {:>8} {:>14.2} {:>9} {:>12.3} {:>9} {:>10.1} {:>10.1} {:>12} {:>10.1} {:>10.2} {:>12.2} {:>12.2}",
                         backend,
                         parallel,
                         v.name(),
@@ -655,16 +696,18 @@ pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> R
                         if spec { "mtp-3" } else { "off" },
                         tps,
                         if constrained {
-                            format!("{:.3}", tps / plain.tps)
+                            format!("{tps_ratio:.3}")
                         } else {
                             "-".into()
                         },
                         cpu_ms,
                         if constrained {
-                            format!("{:.3}", cpu_ms / plain.cpu_ms)
+                            format!("{cpu_ratio:.3}")
                         } else {
                             "-".into()
                         },
+                        mask_us,
+                        wait_us,
                         if spec {
                             format!("{:.1}%", 100.0 * acc)
                         } else {
@@ -676,8 +719,9 @@ pub fn engine(file: &Path, backend: &str, decode: usize, schema_only: bool) -> R
                         mib(cb)
                     );
                     rows.push(json!({"backend": backend, "streams": parallel, "cache_v": v.name(), "json_schema": constrained, "drafting": spec,
-                        "decode_tps_aggregate": tps, "vs_unconstrained": if constrained { json!(tps / plain.tps) } else { json!(null) },
-                        "cpu_ms_per_token": cpu_ms, "cpu_vs_unconstrained": if constrained { json!(cpu_ms / plain.cpu_ms) } else { json!(null) },
+                        "decode_tps_aggregate": tps, "vs_unconstrained": if constrained { json!(tps_ratio) } else { json!(null) },
+                        "cpu_ms_per_token": cpu_ms, "cpu_vs_unconstrained": if constrained { json!(cpu_ratio) } else { json!(null) },
+                        "grammar_mask_us_per_token": mask_us, "grammar_wait_us_per_token": wait_us, "rounds": rounds,
                         "acceptance": acc, "prompt_tps": ptps,
                         "kv_bytes_allocated": kvb, "state_bytes_allocated": rcb, "compute_bytes_allocated": cb}));
                 }

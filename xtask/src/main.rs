@@ -50,9 +50,11 @@ const USAGE: &str = "usage: cargo xtask <task>
                         image tokens/s of one encode on the CPU, tern vs llama.cpp (mtmd, the
                         Python binding) on the same projector and image (default: the fixtures'
                         tiny-vl model, its Q8_0 projector and the 512 px solid red PNG)
-  bench --engine [--wgpu] [--schema-only] [--decode N] [FILE]
+  bench --engine [--wgpu] [--schema-only] [--decode N] [--rounds N] [FILE]
                         the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on,
-                        f16 V under a JSON schema (--schema-only: only f16 V, with and without)
+                        f16 V under a JSON schema (--schema-only: only f16 V, with and without);
+                        each row the median of N rounds (3), the schema's cost the median of
+                        its ratio to the unconstrained run of the same round
   gpu-kit [--out DIR]   build, without a GPU, the kit that checks the cuda and wgpu backends on an
                         NVIDIA machine with no Rust toolchain (default target/gpu-kit; cuda/README.md)
   llama-flags [--arg-cpp FILE]
@@ -263,16 +265,20 @@ fn main() -> Result<()> {
             if args[1..].iter().any(|a| a == "--engine") {
                 let mut rest: Vec<&String> =
                     args[1..].iter().filter(|a| *a != "--engine").collect();
-                let decode = match rest.iter().position(|a| a.as_str() == "--decode") {
-                    Some(k) => match rest.get(k + 1).map(|v| v.parse::<usize>()) {
-                        Some(Ok(n)) if n > 0 => {
-                            rest.drain(k..k + 2);
-                            n
-                        }
-                        _ => bail!("--decode needs a positive number\n{USAGE}"),
-                    },
-                    None => 32,
+                let mut count = |flag: &str, default: usize| -> Result<usize> {
+                    match rest.iter().position(|a| a.as_str() == flag) {
+                        Some(k) => match rest.get(k + 1).map(|v| v.parse::<usize>()) {
+                            Some(Ok(n)) if n > 0 => {
+                                rest.drain(k..k + 2);
+                                Ok(n)
+                            }
+                            _ => bail!("{flag} needs a positive number\n{USAGE}"),
+                        },
+                        None => Ok(default),
+                    }
                 };
+                let decode = count("--decode", 32)?;
+                let rounds = count("--rounds", 3)?;
                 let file = rest
                     .iter()
                     .find(|a| !a.starts_with("--"))
@@ -284,7 +290,7 @@ fn main() -> Result<()> {
                     "cpu"
                 };
                 let schema_only = rest.iter().any(|a| a.as_str() == "--schema-only");
-                return bench::engine(&file, backend, decode, schema_only);
+                return bench::engine(&file, backend, decode, schema_only, rounds);
             }
             let mut it = args[1..].iter();
             let num = |v: Option<&String>, flag: &str| -> Result<usize> {
