@@ -202,8 +202,14 @@ const NOT_IMPLEMENTED: &[(&str, &str)] = &[
     ("grammar_lazy", "lazy grammars"),
     ("grammar_triggers", "lazy grammars"),
     ("preserved_tokens", "lazy grammars"),
-    ("image_data", "image input outside chat messages' image_url parts"),
-    ("multimodal_data", "image input outside chat messages' image_url parts"),
+    (
+        "image_data",
+        "image input outside chat messages' image_url parts",
+    ),
+    (
+        "multimodal_data",
+        "image input outside chat messages' image_url parts",
+    ),
     ("response_fields", "response field selection"),
     ("prediction", "predicted outputs"),
     ("audio", "audio output"),
