@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use tern::backend::cpu::CpuBackend;
 use tern::backend::{nmse, Backend};
 use tern::model::Model;
-use tern::quant::int8::{self, Isa, QActs, MAX_ROWS};
+use tern::quant::int8::{self, Isa, Panel, QActs, TiledActs, MAX_ROWS};
 use tern::quant::{dequantize_row, dot_row};
 use tern::tensor::GgmlType::{self, *};
 
@@ -138,6 +138,59 @@ fn int8_kernels_match_the_integer_reference_on_every_isa() {
                                 (g - want).abs() <= 1e-5 * mag + 1e-6,
                                 "{ty} {isa:?} k={k} n_tok={n_tok} [{t},{r}]: {g} vs {want} (|terms| {mag})"
                             );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The tiled product (`int8::gemm_isa`, prefill's kernel) against the same f64 reference: tile
+/// remainders in both directions (weight rows 1, 5, 9 against the 4-row register tile,
+/// activation rows 1 to 9, a window starting past row 0), block counts that leave a partial
+/// group of 16 (and one of several groups), k never a multiple of 256, on every instruction
+/// set this CPU has.
+#[test]
+fn int8_tiled_product_matches_the_integer_reference_on_every_isa() {
+    let mut rng = Rng(0x5eed_0f_711e);
+    let mut panel = Panel::default();
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let ks: &[usize] = match ty {
+            Q8_0 | Q4_0 => &[32, 96, 544, 1120],
+            _ => &[128, 384, 2176, 4224],
+        };
+        for &k in ks {
+            for n_out in [1, 5, 9] {
+                let w = random_rows(&mut rng, ty, k, n_out);
+                let rb = w.len() / n_out;
+                let mut wf = vec![0f32; n_out * k];
+                for (r, row) in wf.chunks_exact_mut(k).enumerate() {
+                    dequantize_row(ty, &w[r * rb..(r + 1) * rb], row).unwrap();
+                }
+                panel.decode(ty, &w, n_out, k);
+                let rows = 10;
+                let x = random_acts(&mut rng, rows * k);
+                let xr = rounded(ty, &x);
+                let acts = TiledActs::new(&QActs::quantize(ty, &x, k));
+                for &isa in &int8::isas() {
+                    for (t0, n) in (1..=9).map(|n| (0, n)).chain([(1, 9), (3, 6)]) {
+                        let mut got = vec![f32::NAN; n * n_out];
+                        int8::gemm_isa(&panel, &acts, t0, n, &mut got, isa);
+                        for i in 0..n {
+                            let xt = &xr[(t0 + i) * k..(t0 + i + 1) * k];
+                            for r in 0..n_out {
+                                let wr = &wf[r * k..(r + 1) * k];
+                                let want: f64 =
+                                    wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b).sum();
+                                let mag: f64 =
+                                    wr.iter().zip(xt).map(|(&a, &b)| (a as f64 * b).abs()).sum();
+                                let g = got[i * n_out + r] as f64;
+                                assert!(
+                                    (g - want).abs() <= 1e-5 * mag + 1e-6,
+                                    "{ty} {isa:?} k={k} n_out={n_out} rows {t0}+{n} [{i},{r}]: {g} vs {want} (|terms| {mag})"
+                                );
+                            }
                         }
                     }
                 }

@@ -271,3 +271,258 @@ pub fn dot_portable(row: &[u8], a: &QActs, t: usize) -> f32 {
     }
     acc
 }
+
+/// Blocks per group of the tiled layout: the 16 i32 lanes of a 512-bit register.
+const GROUP: usize = 16;
+
+/// The tiled product's layout of one row (weight codes or activation levels), written by
+/// [`Panel::decode`] and [`TiledActs::new`]: the blocks in groups of [`GROUP`], and within a
+/// group the blocks' 4-byte pieces interleaved, piece `j` of block `i` at `(16j + i) * 4`. So
+/// `vpdpbusd` over the group's successive 64-byte vectors accumulates block `i`'s whole integer
+/// sum in lane `i`, and the per-block scaling is one multiply-add per 16 blocks (lane-wise
+/// against 16 contiguous scales) instead of one per block. A last partial group is padded with
+/// zero blocks (zero codes, levels and scales: they add nothing).
+fn interleave_blocks<T: Copy + Default>(qk: usize, src: &[T], dst: &mut [T]) {
+    let nb = src.len() / qk;
+    let groups = nb.div_ceil(GROUP);
+    debug_assert_eq!(dst.len(), groups * GROUP * qk);
+    dst.fill(T::default());
+    for (b, blk) in src.chunks_exact(qk).enumerate() {
+        let (g, i) = (b / GROUP, b % GROUP);
+        let base = g * GROUP * qk;
+        for (j, piece) in blk.chunks_exact(4).enumerate() {
+            let at = base + (GROUP * j + i) * 4;
+            dst[at..at + 4].copy_from_slice(piece);
+        }
+    }
+}
+
+/// Per-block values (scales, zero-point terms) of a row padded to whole groups.
+fn pad_blocks(src: &[f32], dst: &mut [f32]) {
+    dst[..src.len()].copy_from_slice(src);
+    dst[src.len()..].fill(0.0);
+}
+
+/// Weight rows decoded once for the tiled product ([`gemm_isa`]): each row's codes as unsigned
+/// bytes in its activations' element order (so one code meets one level whatever the stored
+/// packing), in the interleaved layout of [`interleave_blocks`], and each block's scale as f32.
+/// Decoding a task's rows once and reusing them for every token row takes the unpacking out of
+/// the inner loop, which the row kernels pay per group of [`MAX_ROWS`] tokens.
+#[derive(Default)]
+pub struct Panel {
+    pub(super) ty: Option<GgmlType>,
+    pub(super) rows: usize,
+    pub(super) k: usize,
+    /// Groups of [`GROUP`] blocks per row.
+    pub(super) groups: usize,
+    /// `rows * groups * GROUP * qk` codes.
+    pub(super) codes: Vec<u8>,
+    /// `rows * groups * GROUP` block scales.
+    pub(super) dw: Vec<f32>,
+    /// One row's codes and scales in element order, before interleaving.
+    scratch: (Vec<u8>, Vec<f32>),
+}
+
+impl Panel {
+    /// Decodes `rows` stored rows of `k` elements of type `ty` (`w` holds them back to back),
+    /// reusing this panel's buffers.
+    pub fn decode(&mut self, ty: GgmlType, w: &[u8], rows: usize, k: usize) {
+        assert!(supported(ty), "int8::Panel: no integer kernels for {ty}");
+        let rb = ty.row_bytes(k as u64).expect("whole blocks") as usize;
+        assert_eq!(w.len(), rb * rows, "int8::Panel: {rows} {ty} rows of {k}");
+        let qk = act_block(ty);
+        let nb = k / qk;
+        let groups = nb.div_ceil(GROUP);
+        let (gb, gs) = (GROUP * qk, GROUP);
+        self.ty = Some(ty);
+        self.rows = rows;
+        self.k = k;
+        self.groups = groups;
+        self.codes.resize(rows * groups * gb, 0);
+        self.dw.resize(rows * groups * gs, 0.0);
+        let (c, d) = &mut self.scratch;
+        c.resize(k, 0);
+        d.resize(nb, 0.0);
+        for ((row, codes), dw) in w
+            .chunks_exact(rb)
+            .zip(self.codes.chunks_exact_mut(groups * gb))
+            .zip(self.dw.chunks_exact_mut(groups * gs))
+        {
+            decode_codes(ty, row, c, d);
+            interleave_blocks(qk, c, codes);
+            pad_blocks(d, dw);
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Quantized activations in the tiled product's layout ([`interleave_blocks`]), made from
+/// [`QActs`] once per product.
+#[derive(Default)]
+pub struct TiledActs {
+    pub(super) ty: Option<GgmlType>,
+    pub(super) k: usize,
+    pub(super) rows: usize,
+    pub(super) qs: Vec<i8>,
+    /// Per block, padded to whole groups: the scale and the zero-point term.
+    pub(super) d: Vec<f32>,
+    pub(super) o: Vec<f32>,
+}
+
+impl TiledActs {
+    pub fn new(a: &QActs) -> TiledActs {
+        let qk = act_block(a.ty);
+        let nb = a.blocks();
+        let groups = nb.div_ceil(GROUP);
+        let (gb, gs) = (GROUP * qk, GROUP);
+        let mut t = TiledActs {
+            ty: Some(a.ty),
+            k: a.k,
+            rows: a.rows,
+            qs: vec![0; a.rows * groups * gb],
+            d: vec![0.0; a.rows * groups * gs],
+            o: vec![0.0; a.rows * groups * gs],
+        };
+        for (r, ((q, d), o)) in
+            t.qs.chunks_exact_mut(groups * gb)
+                .zip(t.d.chunks_exact_mut(groups * gs))
+                .zip(t.o.chunks_exact_mut(groups * gs))
+                .enumerate()
+        {
+            interleave_blocks(qk, a.row(r), q);
+            pad_blocks(&a.d[r * nb..(r + 1) * nb], d);
+            pad_blocks(&a.o[r * nb..(r + 1) * nb], o);
+        }
+        t
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// One stored row's codes (in activation order) and block scales, for [`Panel`]. Written as
+/// plain loops over fixed-size blocks, which the compiler vectorizes.
+fn decode_codes(ty: GgmlType, row: &[u8], codes: &mut [u8], dw: &mut [f32]) {
+    match ty {
+        GgmlType::Q8_0 => {
+            for ((b, c), d) in row.chunks_exact(34).zip(codes.chunks_exact_mut(32)).zip(dw) {
+                *d = le_f16(b, 0);
+                for (c, &q) in c.iter_mut().zip(&b[2..]) {
+                    *c = q ^ 0x80;
+                }
+            }
+        }
+        GgmlType::Q4_0 => {
+            for ((b, c), d) in row.chunks_exact(18).zip(codes.chunks_exact_mut(32)).zip(dw) {
+                *d = le_f16(b, 0);
+                let (lo, hi) = c.split_at_mut(16);
+                for ((l, h), &q) in lo.iter_mut().zip(hi.iter_mut()).zip(&b[2..]) {
+                    *l = q & 15;
+                    *h = q >> 4;
+                }
+            }
+        }
+        GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => {
+            for ((b, c), d) in row
+                .chunks_exact(34)
+                .zip(codes.chunks_exact_mut(128))
+                .zip(dw)
+            {
+                *d = le_f16(b, 0);
+                for (s, plane) in c.chunks_exact_mut(32).enumerate() {
+                    for (c, &q) in plane.iter_mut().zip(&b[2..]) {
+                        *c = (q >> (2 * s)) & 3;
+                    }
+                }
+            }
+        }
+        GgmlType::PTQ1_0 => {
+            let mut w = [0.0f32; 128];
+            for ((b, c), d) in row
+                .chunks_exact(28)
+                .zip(codes.chunks_exact_mut(128))
+                .zip(dw)
+            {
+                *d = super::ptq1_0::decode(b.try_into().expect("PTQ1_0 block"), &mut w);
+                for (c, &l) in c.iter_mut().zip(&w) {
+                    *c = (l + 1.0) as u8;
+                }
+            }
+        }
+        ty => unreachable!("Panel::decode admits no {ty}"),
+    }
+}
+
+/// Whether [`gemm_isa`] has a vector kernel on this CPU (else the row kernels are faster).
+pub fn gemm_vectorized() -> bool {
+    isas().contains(&Isa::Avx512Vnni)
+}
+
+/// The tiled product: `out[i * panel.rows() + r] = panel row r · x[t0 + i]` for `n` activation
+/// rows from `t0`, every decoded weight row against every activation row, a register tile of
+/// several of each at a time (each code and level loaded once per tile, not once per pair).
+pub fn gemm_isa(p: &Panel, a: &TiledActs, t0: usize, n: usize, out: &mut [f32], isa: Isa) {
+    assert_eq!(
+        p.ty, a.ty,
+        "int8::gemm: panel and activations of other types"
+    );
+    assert_eq!(
+        p.k, a.k,
+        "int8::gemm: panel rows of {} against {}",
+        p.k, a.k
+    );
+    assert!(
+        t0 + n <= a.rows,
+        "int8::gemm: rows {t0}..{} of {}",
+        t0 + n,
+        a.rows
+    );
+    assert_eq!(
+        out.len(),
+        n * p.rows,
+        "int8::gemm: output of {} for {n} x {}",
+        out.len(),
+        p.rows
+    );
+    #[cfg(target_arch = "x86_64")]
+    if super::x86_int8::gemm(p, a, t0, n, out, isa) {
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    gemm_portable(p, a, t0, n, out);
+}
+
+/// [`gemm_isa`] without SIMD, on the same layout: lane `i` of a group is block `i`.
+fn gemm_portable(p: &Panel, a: &TiledActs, t0: usize, n: usize, out: &mut [f32]) {
+    let gb = p.codes.len() / (p.rows * p.groups).max(1);
+    let row = |v: usize, r: usize| r * p.groups * v..(r + 1) * p.groups * v;
+    for i in 0..n {
+        let t = t0 + i;
+        let (q, d, o) = (&a.qs[row(gb, t)], &a.d[row(GROUP, t)], &a.o[row(GROUP, t)]);
+        for r in 0..p.rows {
+            let (c, dw) = (&p.codes[row(gb, r)], &p.dw[row(GROUP, r)]);
+            let mut acc = 0.0f32;
+            for g in 0..p.groups {
+                let mut s = [0i32; GROUP];
+                let (cg, qg) = (&c[g * gb..(g + 1) * gb], &q[g * gb..(g + 1) * gb]);
+                for (v, (cv, qv)) in cg.chunks_exact(4).zip(qg.chunks_exact(4)).enumerate() {
+                    s[v % GROUP] += cv
+                        .iter()
+                        .zip(qv)
+                        .map(|(&c, &x)| c as i32 * x as i32)
+                        .sum::<i32>();
+                }
+                for (l, &s) in s.iter().enumerate() {
+                    let b = g * GROUP + l;
+                    acc += dw[b] * (d[b] * s as f32 - o[b]);
+                }
+            }
+            out[i * p.rows + r] = acc;
+        }
+    }
+}

@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::int8::{Isa, QActs, MAX_ROWS};
+use super::int8::{Isa, Panel, QActs, TiledActs, MAX_ROWS};
 use super::ptq1_0::POW3;
 use crate::tensor::GgmlType;
 
@@ -241,6 +241,107 @@ unsafe fn ptq1_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mu
     }
     for (i, o) in out.iter_mut().enumerate() {
         *o = _mm512_reduce_add_ps(acc[i]) - off[i];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// AVX-512 VNNI tiled product
+
+/// Weight rows per register tile of the tiled product.
+const MR: usize = 4;
+/// Activation rows per register tile.
+const NR: usize = 4;
+
+/// [`int8::gemm_isa`](super::int8::gemm_isa)'s vector kernels: false when the CPU (or `isa`)
+/// has none. The caller checked the shapes.
+pub(super) fn gemm(
+    p: &Panel,
+    a: &TiledActs,
+    t0: usize,
+    n: usize,
+    out: &mut [f32],
+    isa: Isa,
+) -> bool {
+    if isa < Isa::Avx512Vnni || !vnni() {
+        return false;
+    }
+    macro_rules! tile {
+        ($r0:expr, $i0:expr, $m:literal, $n:literal) => {
+            // SAFETY: VNNI checked above; rows r0..r0 + m of the panel and t0 + i0.. + n of
+            // the activations exist (the loops below), and out holds n rows of p.rows.
+            unsafe { tile_vnni::<$m, $n>(p, $r0, a, t0 + $i0, &mut out[$i0 * p.rows..], p.rows) }
+        };
+    }
+    macro_rules! rows {
+        ($r0:expr, $i0:expr, $n:literal) => {
+            match (p.rows - $r0).min(MR) {
+                1 => tile!($r0, $i0, 1, $n),
+                2 => tile!($r0, $i0, 2, $n),
+                3 => tile!($r0, $i0, 3, $n),
+                _ => tile!($r0, $i0, 4, $n),
+            }
+        };
+    }
+    for r0 in (0..p.rows).step_by(MR) {
+        for i0 in (0..n).step_by(NR) {
+            match (n - i0).min(NR) {
+                1 => rows!(r0, i0, 1),
+                2 => rows!(r0, i0, 2),
+                3 => rows!(r0, i0, 3),
+                _ => rows!(r0, i0, 4),
+            }
+        }
+    }
+    true
+}
+
+/// A tile of `M` panel rows from `r0` by `N` activation rows from `t`: per group of 16 blocks,
+/// `vpdpbusd` over its 64-byte vectors into one i32 accumulator per pair (lane `i` = block `i`'s
+/// sum), then per pair one lane-wise `dw * (dx * S - o)` into the f32 accumulator.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile_vnni<const M: usize, const N: usize>(
+    p: &Panel,
+    r0: usize,
+    a: &TiledActs,
+    t: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let ng = p.groups;
+    let gb = p.codes.len() / (p.rows * ng);
+    let mut facc = [[_mm512_setzero_ps(); N]; M];
+    for g in 0..ng {
+        let cp: [*const u8; M] =
+            std::array::from_fn(|m| p.codes.as_ptr().add(((r0 + m) * ng + g) * gb));
+        let xp: [*const i8; N] =
+            std::array::from_fn(|n| a.qs.as_ptr().add(((t + n) * ng + g) * gb));
+        let mut iacc = [[_mm512_setzero_si512(); N]; M];
+        for j in (0..gb).step_by(64) {
+            let c: [__m512i; M] =
+                std::array::from_fn(|m| _mm512_loadu_si512(cp[m].add(j) as *const _));
+            let x: [__m512i; N] =
+                std::array::from_fn(|n| _mm512_loadu_si512(xp[n].add(j) as *const _));
+            for m in 0..M {
+                for n in 0..N {
+                    iacc[m][n] = _mm512_dpbusd_epi32(iacc[m][n], c[m], x[n]);
+                }
+            }
+        }
+        for n in 0..N {
+            let l = ((t + n) * ng + g) * 16;
+            let dx = _mm512_loadu_ps(a.d.as_ptr().add(l));
+            let o = _mm512_loadu_ps(a.o.as_ptr().add(l));
+            for m in 0..M {
+                let dw = _mm512_loadu_ps(p.dw.as_ptr().add(((r0 + m) * ng + g) * 16));
+                let v = _mm512_fmsub_ps(dx, _mm512_cvtepi32_ps(iacc[m][n]), o);
+                facc[m][n] = _mm512_fmadd_ps(dw, v, facc[m][n]);
+            }
+        }
+    }
+    for (m, facc) in facc.iter().enumerate() {
+        for (n, facc) in facc.iter().enumerate() {
+            out[n * ldo + r0 + m] = _mm512_reduce_add_ps(*facc);
+        }
     }
 }
 

@@ -388,6 +388,33 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
     Ok(())
 }
 
+/// `--prompt`'s value: one prompt length or several, comma-separated.
+pub fn prompt_lengths(v: Option<&String>) -> Result<Vec<usize>> {
+    let v = v.context("--prompt needs a number of tokens, or several comma-separated")?;
+    v.split(',')
+        .map(|n| match n.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => bail!("--prompt: {n:?} is not a positive number of tokens"),
+        })
+        .collect()
+}
+
+/// `cargo xtask bench` once per prompt length (llama-bench's `-p` follows it), each length's
+/// report copied to target/bench/bench-p{N}.json beside bench.json (the last length's). The
+/// decode column of a long prompt is tern decoding after it, llama-bench's `tg` at depth 0.
+pub fn run_prompt_lengths(root: &Path, o: &mut Options, lengths: &[usize]) -> Result<()> {
+    for &n in lengths {
+        o.prompt_tokens = n;
+        if lengths.len() > 1 {
+            println!("\nprompt of {n} tokens");
+        }
+        run(root, o)?;
+        let dir = root.join("target/bench");
+        std::fs::copy(dir.join("bench.json"), dir.join(format!("bench-p{n}.json")))?;
+    }
+    Ok(())
+}
+
 /// `cargo xtask bench --kernels`: `quant::dot_row` throughput per weight type, in GB/s of
 /// weight bytes, over a matrix larger than the caches (what decode streams).
 pub fn kernels() -> Result<()> {
@@ -423,7 +450,7 @@ pub fn kernels() -> Result<()> {
     int8_kernels(&x, &src, rows)
 }
 
-/// The serving path's integer kernels (`quant::int8`) on the same matrices, for 1 and 4
+/// The serving path's integer kernels (`quant::int8`) on the same matrices, for 1 to 4
 /// activation rows per weight row and every instruction set the CPU has: GB/s of weight bytes.
 fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
     use tern::quant::int8::{self, QActs};
@@ -437,7 +464,7 @@ fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
         let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
         let acts = QActs::quantize(ty, &xs, cols);
         for isa in int8::isas() {
-            for n in [1usize, 4] {
+            for n in 1..=4usize {
                 let mut best = f64::MAX;
                 let mut out = [0f32; 4];
                 for _ in 0..3 {
@@ -458,6 +485,64 @@ fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
                 );
             }
         }
+    }
+    tiled_kernels(src)
+}
+
+/// Prefill's shape, single-threaded: 64 token rows against 512 weight rows of 4096 (in L2/L3,
+/// as a task's slice of a matrix is), the row kernels in groups of `MAX_ROWS` (the driver's
+/// loop before the tiled kernel) against the tiled product on a decoded panel (its decoding
+/// included), in G multiply-adds/s.
+fn tiled_kernels(src: &[f32]) -> Result<()> {
+    use tern::quant::int8::{self, Isa, Panel, QActs, TiledActs, MAX_ROWS};
+    use tern::tensor::GgmlType::*;
+    let (rows, cols, toks) = (512usize, src.len(), 64usize);
+    let xs: Vec<f32> = (0..toks * cols)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    println!("\nprefill shape: {toks} tokens x {rows} rows x {cols}, G MAC/s");
+    println!(
+        "{:<8} {:>12} {:>12} {:>8}",
+        "type", "rows x4", "tiled", "ratio"
+    );
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let row = tern::quant::quantize_row(ty, src)?;
+        let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
+        let acts = QActs::quantize(ty, &xs, cols);
+        let mut out = vec![0f32; toks * rows];
+        let time = |f: &mut dyn FnMut()| {
+            (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    f();
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::MAX, f64::min)
+        };
+        let grouped = time(&mut || {
+            for t0 in (0..toks).step_by(MAX_ROWS) {
+                for (r, w) in m.chunks_exact(row.len()).enumerate() {
+                    let o = &mut out[r * toks + t0..r * toks + t0 + MAX_ROWS];
+                    int8::dot_rows(w, &acts, t0, o);
+                }
+            }
+            std::hint::black_box(&out);
+        });
+        let mut panel = Panel::default();
+        let tiled = time(&mut || {
+            let acts = TiledActs::new(&acts);
+            panel.decode(ty, &m, rows, cols);
+            int8::gemm_isa(&panel, &acts, 0, toks, &mut out, Isa::Avx512Vnni);
+            std::hint::black_box(&out);
+        });
+        let macs = (toks * rows * cols) as f64 / 1e9;
+        println!(
+            "{:<8} {:>12.2} {:>12.2} {:>8.2}",
+            ty.name(),
+            macs / grouped,
+            macs / tiled,
+            grouped / tiled
+        );
     }
     Ok(())
 }

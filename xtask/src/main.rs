@@ -35,17 +35,19 @@ const USAGE: &str = "usage: cargo xtask <task>
                         LoRA goldens (xtask/py/lora_goldens.py, fixtures/golden/lora); the vision
                         goldens (xtask/py/vision_goldens.py, fixtures/golden/vision: mtmd's image
                         embeddings and logits at every position, flash attention off)
-  bench [--backend cpu,cpu-exact,wgpu,cuda] [--no-llama] [--prompt N] [--decode N] [--runs N]
-        [--rounds N] [FILE...]
+  bench [--backend cpu,cpu-exact,wgpu,cuda] [--no-llama] [--prompt N[,N...]] [--decode N]
+        [--runs N] [--rounds N] [FILE...]
                         tern vs stock llama.cpp on the bench files (default: fixtures/bench/*);
                         cpu is the serving path (int8 activations), cpu-exact the f32 reference;
                         llama.cpp through its Python binding and, with TERN_LLAMA_BENCH=path,
                         its own llama-bench (then the ratios' anchor); --rounds N alternates
-                        tern and llama.cpp N times and reports medians;
+                        tern and llama.cpp N times and reports medians; --prompt 128,2048
+                        gives the table once per prompt length (target/bench/bench-pN.json);
                         GB/s of weights streamed per decoded token, and on cuda against the
                         device's copy bandwidth measured in the same run (cuda needs
                         `cargo run --release -p xtask --features cuda -- bench ...`)
-  bench --kernels       single-thread dot_row throughput per weight type
+  bench --kernels       single-thread dot_row throughput per weight type; the int8 row
+                        kernels for 1 to 4 rows and the tiled int8 product (G MAC/s)
   bench --vision [--no-llama] [--runs N] [--model F] [--mmproj F] [--image F]
                         image tokens/s of one encode on the CPU, tern vs llama.cpp (mtmd, the
                         Python binding) on the same projector and image (default: the fixtures'
@@ -293,6 +295,7 @@ fn main() -> Result<()> {
                 return bench::engine(&file, backend, decode, schema_only, rounds);
             }
             let mut it = args[1..].iter();
+            let mut prompts = vec![o.prompt_tokens];
             let num = |v: Option<&String>, flag: &str| -> Result<usize> {
                 match v.map(|s| s.parse::<usize>()) {
                     Some(Ok(n)) if n > 0 => Ok(n),
@@ -302,7 +305,7 @@ fn main() -> Result<()> {
             while let Some(a) = it.next() {
                 match a.as_str() {
                     "--no-llama" => o.llama = false,
-                    "--prompt" => o.prompt_tokens = num(it.next(), "--prompt")?,
+                    "--prompt" => prompts = bench::prompt_lengths(it.next())?,
                     "--decode" => o.decode_tokens = num(it.next(), "--decode")?,
                     "--runs" => o.runs = num(it.next(), "--runs")?,
                     "--rounds" => o.rounds = num(it.next(), "--rounds")?,
@@ -321,7 +324,7 @@ fn main() -> Result<()> {
                     .map(|f| d.join(f))
                     .collect();
             }
-            bench::run(&root, &o)
+            bench::run_prompt_lengths(&root, &mut o, &prompts)
         }
         Some("fuzz-worker") => {
             let target = match args.get(1).map(String::as_str) {

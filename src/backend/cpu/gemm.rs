@@ -118,14 +118,14 @@ fn byte_offset(ty: GgmlType, n: usize) -> usize {
 
 /// The output pointer shared by the tasks of one `matmul`; each writes its own columns.
 #[derive(Copy, Clone)]
-struct OutPtr(*mut f32);
+pub(super) struct OutPtr(pub(super) *mut f32);
 // SAFETY: tasks write disjoint elements (see `matmul`).
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
 impl OutPtr {
     /// The element `i` places in (a method, so closures capture the whole `Sync` wrapper).
-    fn at(self, i: usize) -> *mut f32 {
+    pub(super) fn at(self, i: usize) -> *mut f32 {
         self.0.wrapping_add(i)
     }
 }

@@ -129,39 +129,91 @@ fn product(w: &Weight, x: &[f32], int8: bool) -> Tensor {
     out
 }
 
-/// `product` on the serving path: the activations quantized once, then each task takes
-/// `ROW_CHUNK` weight rows and every token row in groups of `int8::MAX_ROWS`, each weight row
-/// read from memory once for all tokens (it stays in L1 across the groups).
+/// `product` on the serving path: the activations quantized once, then up to `MAX_ROWS` token
+/// rows (a decode step, a batch of streams, a verify batch) go through the row kernels, each
+/// weight row read from memory once for all of them; more (prefill) through the tiled kernel
+/// where the CPU has it.
 fn product_int8(w: &Weight, x: &[f32], out: &mut Tensor) {
     use quant::int8::{self, QActs, MAX_ROWS};
     let (k, n_out) = (w.ne0, w.rows);
     let n_tok = x.len() / k;
     let acts = QActs::quantize(w.ty, x, k);
-    let run = |c: usize, chunk: &mut [f32]| {
+    if n_tok > MAX_ROWS && int8::gemm_vectorized() {
+        return product_int8_tiled(w, &acts, out);
+    }
+    let chunk = int8_row_chunk(w.row_bytes, n_out);
+    let dst = gemm::OutPtr(out.data.as_mut_ptr());
+    (0..n_out.div_ceil(chunk)).into_par_iter().for_each(|c| {
+        let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(n_out));
+        let mut o = [0f32; MAX_ROWS];
         for t0 in (0..n_tok).step_by(MAX_ROWS) {
             let n = MAX_ROWS.min(n_tok - t0);
-            for (i, o) in chunk.chunks_exact_mut(n_tok).enumerate() {
-                int8::dot_rows(w.row_data(c * ROW_CHUNK + i), &acts, t0, &mut o[t0..t0 + n]);
+            for r in r0..r1 {
+                int8::dot_rows(w.row_data(r), &acts, t0, &mut o[..n]);
+                for (i, &v) in o[..n].iter().enumerate() {
+                    // SAFETY: `out` holds `n_tok` rows of `n_out`; this task alone writes
+                    // columns r0..r1.
+                    unsafe { *dst.at((t0 + i) * n_out + r) = v };
+                }
             }
         }
-    };
-    if n_tok == 1 {
-        out.data
-            .par_chunks_mut(ROW_CHUNK)
-            .enumerate()
-            .for_each(|(c, chunk)| run(c, chunk));
-        return;
-    }
-    let mut out_t = vec![0f32; n_out * n_tok];
-    out_t
-        .par_chunks_mut(ROW_CHUNK * n_tok)
-        .enumerate()
-        .for_each(|(c, chunk)| run(c, chunk));
-    for (r, o) in out_t.chunks_exact(n_tok).enumerate() {
-        for (t, &v) in o.iter().enumerate() {
-            out.data[t * n_out + r] = v;
-        }
-    }
+    });
+}
+
+/// Weight rows per rayon task of the row kernels: about `INT8_TASK_BYTES` of weights, so a
+/// task outweighs its scheduling (a ternary row of 1,024 is 272 bytes: 32 rows were ~1 µs of
+/// work), but at least `ROW_CHUNK` rows and few enough that every thread gets several tasks.
+fn int8_row_chunk(row_bytes: usize, n_out: usize) -> usize {
+    let by_bytes = (INT8_TASK_BYTES / row_bytes.max(1)).max(ROW_CHUNK);
+    let balanced = n_out.div_ceil(4 * rayon::current_num_threads()).max(1);
+    by_bytes.min(balanced)
+}
+
+/// Weight bytes per task of the row kernels (see `int8_row_chunk`).
+const INT8_TASK_BYTES: usize = 64 << 10;
+
+/// Weight rows per task of the tiled int8 product, decoded once into the task's panel and
+/// then dotted with every token row.
+const TILED_ROWS: usize = 64;
+/// Token rows per call of the tiled kernel: their levels (at most this many times `k` bytes)
+/// stay in L2 while the kernel runs down the panel.
+const TILED_TOKENS: usize = 64;
+
+/// `product_int8` for more token rows than the row kernels take at once (prefill): each task
+/// decodes `TILED_ROWS` weight rows into a panel of codes and runs the tiled kernel over
+/// panels of `TILED_TOKENS` token rows, writing its columns of `out`.
+fn product_int8_tiled(w: &Weight, acts: &quant::int8::QActs, out: &mut Tensor) {
+    use quant::int8::{self, Isa, Panel, TiledActs};
+    let (k, n_out) = (w.ne0, w.rows);
+    let n_tok = acts.rows();
+    let acts = TiledActs::new(acts);
+    let dst = gemm::OutPtr(out.data.as_mut_ptr());
+    (0..n_out.div_ceil(TILED_ROWS))
+        .into_par_iter()
+        .for_each_init(
+            || (Panel::default(), Vec::new()),
+            |(panel, buf), c| {
+                let (r0, r1) = (c * TILED_ROWS, ((c + 1) * TILED_ROWS).min(n_out));
+                let rows = &w.src.bytes()[r0 * w.row_bytes..r1 * w.row_bytes];
+                panel.decode(w.ty, rows, r1 - r0, k);
+                for t0 in (0..n_tok).step_by(TILED_TOKENS) {
+                    let n = TILED_TOKENS.min(n_tok - t0);
+                    buf.resize(n * (r1 - r0), 0.0);
+                    int8::gemm_isa(panel, &acts, t0, n, buf, Isa::Avx512Vnni);
+                    for (i, row) in buf.chunks_exact(r1 - r0).enumerate() {
+                        // SAFETY: `out` holds `n_tok` rows of `n_out`; this task alone writes
+                        // columns r0..r1, so concurrent tasks never write the same elements.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                row.as_ptr(),
+                                dst.at((t0 + i) * n_out + r0),
+                                r1 - r0,
+                            )
+                        };
+                    }
+                }
+            },
+        );
 }
 
 /// A row-major `[rows, cols]` activation.
