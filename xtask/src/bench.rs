@@ -450,8 +450,19 @@ pub fn kernels() -> Result<()> {
     int8_kernels(&x, &src, rows)
 }
 
+/// Seconds this thread has been on a CPU (`/proc/thread-self/schedstat`): the kernel tables
+/// time single-threaded loops by it, so that on a shared machine the time the thread waited
+/// for a core does not count (cache and memory contention still do).
+fn thread_cpu_s() -> f64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(f64::NAN, |ns| ns as f64 / 1e9)
+}
+
 /// The serving path's integer kernels (`quant::int8`) on the same matrices, for 1 to 4
-/// activation rows per weight row and every instruction set the CPU has: GB/s of weight bytes.
+/// activation rows per weight row and every instruction set the CPU has: GB/s of weight bytes
+/// per second of this thread's CPU time.
 fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
     use tern::quant::int8::{self, QActs};
     use tern::tensor::GgmlType::*;
@@ -468,13 +479,13 @@ fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
                 let mut best = f64::MAX;
                 let mut out = [0f32; 4];
                 for _ in 0..3 {
-                    let t = Instant::now();
+                    let t = thread_cpu_s();
                     for r in 0..rows {
                         let w = &m[r * row.len()..(r + 1) * row.len()];
                         int8::dot_rows_isa(w, &acts, 0, &mut out[..n], isa);
                         std::hint::black_box(&out);
                     }
-                    best = best.min(t.elapsed().as_secs_f64());
+                    best = best.min(thread_cpu_s() - t);
                 }
                 println!(
                     "{:<8} {:>12} {:>6} {:>12.2}",
@@ -492,7 +503,7 @@ fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
 /// Prefill's shape, single-threaded: 64 token rows against 512 weight rows of 4096 (in L2/L3,
 /// as a task's slice of a matrix is), the row kernels in groups of `MAX_ROWS` (the driver's
 /// loop before the tiled kernel) against the tiled product on a decoded panel (its decoding
-/// included), in G multiply-adds/s.
+/// and the activations' layout included), in G multiply-adds per second of CPU time.
 fn tiled_kernels(src: &[f32]) -> Result<()> {
     use tern::quant::int8::{self, Isa, Panel, QActs, TiledActs, MAX_ROWS};
     use tern::tensor::GgmlType::*;
@@ -513,9 +524,9 @@ fn tiled_kernels(src: &[f32]) -> Result<()> {
         let time = |f: &mut dyn FnMut()| {
             (0..3)
                 .map(|_| {
-                    let t = Instant::now();
+                    let t = thread_cpu_s();
                     f();
-                    t.elapsed().as_secs_f64()
+                    thread_cpu_s() - t
                 })
                 .fold(f64::MAX, f64::min)
         };
