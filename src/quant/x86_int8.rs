@@ -117,6 +117,17 @@ unsafe fn ptq1_0_codes(b: *const u8) -> [u8; 128] {
     out
 }
 
+/// How far ahead of the block being read the row kernels ask for the weights: rows are read
+/// once per token from memory, and the hardware prefetcher alone kept a core's stream well
+/// below what the memory delivers (the next rows of a task follow the current one, so running
+/// past a row's end is useful too).
+const PREFETCH_BYTES: usize = 1024;
+
+#[inline(always)]
+unsafe fn prefetch(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI
 
@@ -131,6 +142,7 @@ unsafe fn q8_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut 
     let mut b = 0;
     while b + 2 <= nb {
         let blk = p.add(b * 34);
+        prefetch(blk);
         let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
         let w1 = _mm256_loadu_si256(blk.add(36) as *const __m256i);
         let w = _mm512_xor_si512(
@@ -213,6 +225,7 @@ unsafe fn pq2_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut
     let mut off = [0f32; N];
     for b in 0..nb {
         let blk = row.as_ptr().add(b * 34);
+        prefetch(blk);
         let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2) as *const __m256i));
         let c = [
             _mm512_and_si512(_mm512_srlv_epi16(q, sh01), m3),

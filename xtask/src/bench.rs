@@ -500,60 +500,66 @@ fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
     tiled_kernels(src)
 }
 
-/// Prefill's shape, single-threaded: 64 token rows against 512 weight rows of 4096 (in L2/L3,
-/// as a task's slice of a matrix is), the row kernels in groups of `MAX_ROWS` (the driver's
-/// loop before the tiled kernel) against the tiled product on a decoded panel (its decoding
-/// and the activations' layout included), in G multiply-adds per second of CPU time.
+/// The product's shapes from a decode step to prefill, single-threaded: 1 to 64 token rows
+/// against 512 weight rows of 4096 (in L2/L3, as a task's slice of a matrix is), the row
+/// kernels in groups of up to `MAX_ROWS` (what `product_int8` runs for up to `MAX_ROWS`
+/// tokens) against the tiled product on a decoded panel (its decoding and the activations'
+/// layout included), in G multiply-adds per second of CPU time: where the tiled kernel starts
+/// to pay.
 fn tiled_kernels(src: &[f32]) -> Result<()> {
     use tern::quant::int8::{self, Isa, Panel, QActs, TiledActs, MAX_ROWS};
     use tern::tensor::GgmlType::*;
-    let (rows, cols, toks) = (512usize, src.len(), 64usize);
-    let xs: Vec<f32> = (0..toks * cols)
-        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
-        .collect();
-    println!("\nprefill shape: {toks} tokens x {rows} rows x {cols}, G MAC/s");
+    let (rows, cols) = (512usize, src.len());
+    println!("\nproduct of T tokens x {rows} rows x {cols}, G MAC/s");
     println!(
-        "{:<8} {:>12} {:>12} {:>8}",
-        "type", "rows x4", "tiled", "ratio"
+        "{:<8} {:>4} {:>12} {:>12} {:>8}",
+        "type", "T", "row kernels", "tiled", "ratio"
     );
     for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
         let row = tern::quant::quantize_row(ty, src)?;
         let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
-        let acts = QActs::quantize(ty, &xs, cols);
-        let mut out = vec![0f32; toks * rows];
-        let time = |f: &mut dyn FnMut()| {
-            (0..3)
-                .map(|_| {
-                    let t = thread_cpu_s();
-                    f();
-                    thread_cpu_s() - t
-                })
-                .fold(f64::MAX, f64::min)
-        };
-        let grouped = time(&mut || {
-            for t0 in (0..toks).step_by(MAX_ROWS) {
-                for (r, w) in m.chunks_exact(row.len()).enumerate() {
-                    let o = &mut out[r * toks + t0..r * toks + t0 + MAX_ROWS];
-                    int8::dot_rows(w, &acts, t0, o);
+        for toks in [1usize, 2, 3, 4, 8, 16, 64] {
+            let xs: Vec<f32> = (0..toks * cols)
+                .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                .collect();
+            let acts = QActs::quantize(ty, &xs, cols);
+            let mut out = vec![0f32; toks * rows];
+            let time = |f: &mut dyn FnMut()| {
+                (0..3)
+                    .map(|_| {
+                        let t = thread_cpu_s();
+                        f();
+                        thread_cpu_s() - t
+                    })
+                    .fold(f64::MAX, f64::min)
+            };
+            let grouped = time(&mut || {
+                for t0 in (0..toks).step_by(MAX_ROWS) {
+                    let n = MAX_ROWS.min(toks - t0);
+                    for (r, w) in m.chunks_exact(row.len()).enumerate() {
+                        let o = &mut out[r * toks + t0..r * toks + t0 + n];
+                        int8::dot_rows(w, &acts, t0, o);
+                    }
                 }
-            }
-            std::hint::black_box(&out);
-        });
-        let mut panel = Panel::default();
-        let tiled = time(&mut || {
-            let acts = TiledActs::new(&acts);
-            panel.decode(ty, &m, rows, cols);
-            int8::gemm_isa(&panel, &acts, 0, toks, &mut out, Isa::Avx512Vnni);
-            std::hint::black_box(&out);
-        });
-        let macs = (toks * rows * cols) as f64 / 1e9;
-        println!(
-            "{:<8} {:>12.2} {:>12.2} {:>8.2}",
-            ty.name(),
-            macs / grouped,
-            macs / tiled,
-            grouped / tiled
-        );
+                std::hint::black_box(&out);
+            });
+            let mut panel = Panel::default();
+            let tiled = time(&mut || {
+                let acts = TiledActs::new(&acts);
+                panel.decode(ty, &m, rows, cols);
+                int8::gemm_isa(&panel, &acts, 0, toks, &mut out, Isa::Avx512Vnni);
+                std::hint::black_box(&out);
+            });
+            let macs = (toks * rows * cols) as f64 / 1e9;
+            println!(
+                "{:<8} {:>4} {:>12.2} {:>12.2} {:>8.2}",
+                ty.name(),
+                toks,
+                macs / grouped,
+                macs / tiled,
+                grouped / tiled
+            );
+        }
     }
     Ok(())
 }
