@@ -94,6 +94,7 @@ fn check<B: Backend + 'static>(
                 n_max,
                 n_min: 0,
                 p_min: 0.0,
+                adaptive: true,
             }),
             draft_kv_types: KvTypes {
                 k: GgmlType::F16,

@@ -98,6 +98,7 @@ where
             n_max: 2,
             n_min: 0,
             p_min: 0.0,
+            adaptive: false,
         }),
     ] {
         let e = engine(make(), "tiny-q8_0.gguf", cfg(3, spec.clone())).unwrap();
@@ -336,6 +337,7 @@ fn constrained_greedy_is_identical_with_drafting_on_and_off() {
                 n_max,
                 n_min: 0,
                 p_min: 0.0,
+                adaptive: false,
             });
             let e = engine(common::cpu(), file, cfg(2, sp)).unwrap();
             let g = Gguf::open(path(file)).unwrap();

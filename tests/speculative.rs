@@ -8,7 +8,10 @@ use std::path::Path;
 use tern::backend::Backend;
 use tern::model::Model;
 use tern::runtime::sampler::{Sampler, SamplerConfig};
-use tern::runtime::speculative::{Generator, SpecConfig};
+use tern::runtime::speculative::{
+    break_even, expected_tokens, AdaptiveDepth, Generator, RoundCosts, SpecConfig, PROBE_EVERY,
+    PROBE_FIRST,
+};
 
 fn model<B: Backend>(be: &B, name: &str) -> Model<B> {
     Model::open(
@@ -63,6 +66,7 @@ fn drafting_does_not_change_greedy_output<B: Backend>(be: &B) {
                 n_max,
                 n_min: 0,
                 p_min: 0.0,
+                adaptive: false,
             };
             let (drafted, stats) = greedy(be, &m, Some(spec), n);
             println!(
@@ -168,6 +172,7 @@ fn a_reduced_draft_head_scores_the_low_ids<B: Backend>(be: &B) {
             n_max: 2,
             n_min: 0,
             p_min: 0.0,
+            adaptive: false,
         };
         let (drafted, stats) = greedy(be, &m, Some(spec), 32);
         assert!(stats.drafted > 0, "{file}: drafting ran");
@@ -186,6 +191,162 @@ fn a_reduced_draft_head_scores_the_low_ids<B: Backend>(be: &B) {
         tern::model::draft_vocab(4 * tern::model::DRAFT_VOCAB - 1, true),
         0
     );
+}
+
+/// Greedy decoding of `n` tokens with adaptive drafting; `costs`, when given, replaces the
+/// measured round costs before every round (a machine whose costs are known). Returns the
+/// tokens, each round's depth, the acceptance counters and the policy's final state.
+fn adaptive<B: Backend>(
+    be: &B,
+    m: &Model<B>,
+    n: usize,
+    costs: Option<&RoundCosts>,
+) -> (
+    Vec<u32>,
+    Vec<usize>,
+    tern::runtime::speculative::SpecStats,
+    AdaptiveDepth,
+) {
+    let mut g = Generator::new(
+        m,
+        be,
+        m.new_state(be),
+        Sampler::new(SamplerConfig::greedy()),
+        Some(SpecConfig::default()),
+    )
+    .unwrap();
+    let mut out = vec![g.prefill(&PROMPT).unwrap()];
+    let mut depths = Vec::new();
+    while out.len() < n {
+        if let Some(c) = costs {
+            g.costs = c.clone();
+        }
+        out.extend(g.step().unwrap());
+        depths.push(g.slot.depth.depth);
+    }
+    out.truncate(n);
+    (out, depths, g.stats().clone(), g.slot.depth.clone())
+}
+
+/// A draft head that can only say token 0 (a one-row reduced head) over a trunk that never
+/// emits it: every draft is rejected, as with bench-0.8b's random head. On the costs this
+/// machine measures as it runs, the slot falls back to plain decoding within a few rounds,
+/// drafting again only to probe, and the output is the plain output.
+#[test]
+fn adaptive_depth_drops_to_plain_when_no_draft_is_accepted() {
+    let be = common::cpu();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-q8_0.gguf");
+    let g = std::sync::Arc::new(tern::gguf::Gguf::open(&path).unwrap());
+    let m = Model::load_with_draft(&be, g, 1).unwrap();
+    let n = 96;
+    let (plain, _) = greedy(&be, &m, None, n);
+    assert!(
+        !plain.contains(&0),
+        "the trunk emits the only draftable token"
+    );
+    let (out, depths, stats, policy) = adaptive(&be, &m, n, None);
+    assert_eq!(out, plain, "adaptive drafting changed the greedy tokens");
+    assert!(stats.drafted > 0, "the first rounds draft");
+    assert_eq!(stats.accepted, 0);
+    let settled = &depths[20..];
+    let drafting = settled.iter().filter(|&&d| d > 0).count();
+    println!(
+        "depths {depths:?}; acceptance estimate {:.4}, {} probes",
+        policy.acceptance(),
+        policy.probes
+    );
+    assert!(
+        settled.iter().all(|&d| d <= 1) && drafting <= settled.len() / PROBE_EVERY as usize + 2,
+        "still drafting after 20 rejected rounds: {depths:?}"
+    );
+    assert!(policy.probes > 0, "plain decoding never probed again");
+}
+
+/// On the demo model's trained head (~40% of drafts accepted) and a machine where a round is
+/// cheap (a draft step 0.1 of a plain step, each verify row 0.15 more: depth 1 breaks even at
+/// 25% acceptance), the slot keeps drafting, and the output is the plain output.
+#[test]
+fn adaptive_depth_keeps_drafting_where_it_pays() {
+    let be = common::cpu();
+    let m = model(&be, "demo/demo-q8_0.gguf");
+    let mut costs = RoundCosts::default();
+    costs.observe_draft_step(0.1);
+    for rows in 1..=4 {
+        costs.observe_forward(rows, 1.0 + 0.15 * (rows - 1) as f64);
+    }
+    let n = 64;
+    let (plain, _) = greedy(&be, &m, None, n);
+    let (out, depths, stats, policy) = adaptive(&be, &m, n, Some(&costs));
+    println!(
+        "depths {depths:?}; drafted {} accepted {}; acceptance estimate {:.3}",
+        stats.drafted,
+        stats.accepted,
+        policy.acceptance()
+    );
+    assert_eq!(out, plain, "adaptive drafting changed the greedy tokens");
+    let drafting = depths.iter().filter(|&&d| d > 0).count();
+    assert!(
+        drafting * 10 >= depths.len() * 8,
+        "drafting dropped although it pays: {depths:?}"
+    );
+    assert!(stats.accepted > 0);
+}
+
+/// The policy on known costs: break-even acceptance, the depth it picks, and probing.
+#[test]
+fn the_depth_policy_follows_acceptance_and_costs() {
+    assert_eq!(expected_tokens(0.5, 2), 1.75);
+    assert!((break_even(1, 1.25).unwrap() - 0.25).abs() < 1e-9);
+    // 1 + a + a^2 = 1.6
+    let a2 = (-1.0 + (1.0f64 + 4.0 * 0.6).sqrt()) / 2.0;
+    assert!((break_even(2, 1.6).unwrap() - a2).abs() < 1e-9);
+    assert_eq!(
+        break_even(1, 2.0),
+        None,
+        "a round of two plain steps never pays at depth 1"
+    );
+
+    let mut c = RoundCosts::default();
+    assert_eq!(c.forward(1), None);
+    c.observe_forward(1, 1.0);
+    c.observe_forward(2, 0.9); // noise: two rows never cost less than one
+    assert_eq!(c.forward(2), Some(1.0));
+    assert_eq!(c.forward(3), Some(1.0), "unmeasured: the largest below");
+    c.observe_forward(4, 1.2);
+    c.observe_draft_step(0.1);
+
+    let mut p = AdaptiveDepth::default();
+    assert_eq!(
+        p.best(3, &RoundCosts::default(), 0),
+        3,
+        "nothing measured: draft fully"
+    );
+    for _ in 0..30 {
+        p.observe(3, 3);
+    }
+    assert!(p.acceptance() > 0.9);
+    // a ~ 1: depth 3 yields ~4 tokens for 0.3 + 1.2, depth 2 ~3 for 0.2 + 1.0.
+    assert_eq!(p.best(3, &c, 0), 3);
+    // Beside two other slots' rows the verify rows are priced at forward(3 + d).
+    assert_eq!(p.best(1, &c, 2), 1);
+    let mut z = AdaptiveDepth::default();
+    for _ in 0..30 {
+        z.observe(2, 0);
+    }
+    assert!(z.acceptance() < 0.05);
+    assert_eq!(z.best(3, &c, 0), 0);
+    // Plain rounds with one-token probes between, the gaps doubling from PROBE_FIRST to
+    // PROBE_EVERY.
+    let picks: Vec<usize> = (0..60).map(|_| z.pick(3, &c, 0)).collect();
+    let probes: Vec<usize> = (0..60).filter(|&i| picks[i] == 1).collect();
+    assert!(picks.iter().all(|&d| d <= 1));
+    let gaps: Vec<usize> = std::iter::once(probes[0])
+        .chain(probes.windows(2).map(|w| w[1] - w[0] - 1))
+        .collect();
+    assert_eq!(gaps[0], PROBE_FIRST as usize, "{picks:?}");
+    assert_eq!(gaps[1], 2 * PROBE_FIRST as usize, "{picks:?}");
+    assert!(gaps.iter().all(|&g| g <= PROBE_EVERY as usize), "{picks:?}");
+    assert_eq!(*gaps.last().unwrap(), PROBE_EVERY as usize, "{picks:?}");
 }
 
 per_backend!(

@@ -19,7 +19,7 @@ use crate::tokenizer::Tokenizer;
 use super::budget::BudgetConfig;
 use super::constraint::{Constraint, Masks};
 use super::sampler::{ProbsRequest, Sampler, SamplerConfig, TokenProbs};
-use super::speculative::{SlotDecoder, SpecConfig, SpecStats};
+use super::speculative::{RoundCostSummary, RoundCosts, SlotDecoder, SpecConfig, SpecStats};
 
 #[derive(Clone, Debug, thiserror::Error, PartialEq)]
 pub enum EngineError {
@@ -344,6 +344,8 @@ pub struct Metrics {
     pub requests_processing: u64,
     pub requests_deferred: u64,
     pub spec: SpecStats,
+    /// What draft rounds' parts cost, as measured while decoding (the adaptive depth's input).
+    pub round_costs: RoundCostSummary,
     /// Per slot: (is_processing, tokens in the slot's cache).
     pub slots: Vec<(bool, usize)>,
     /// Bytes the slots hold now: attention caches (trunk and MTP) and recurrent state (live,
@@ -612,6 +614,7 @@ struct Worker<B: Backend> {
     metrics: Arc<Mutex<Metrics>>,
     closed: bool,
     pools: Pools,
+    costs: RoundCosts,
 }
 
 /// The masks for a verify batch; a panic inside the grammar engine fails this request only.
@@ -771,6 +774,7 @@ impl<B: Backend> Worker<B> {
             metrics,
             closed: false,
             pools: Pools::default(),
+            costs: RoundCosts::default(),
         };
         let allocated = w.boot_ledger()?;
         Ok((w, allocated))
@@ -1352,6 +1356,13 @@ impl<B: Backend> Worker<B> {
         }
         let spec = self.cfg.spec.clone();
         let n_ctx_slot = self.cfg.n_ctx_slot();
+        // The rows decoding slots fed last step: a slot's depth is priced beside the others'.
+        let decode_rows: usize = self
+            .slots
+            .iter()
+            .filter(|s| matches!(s.task.as_ref().map(|t| &t.phase), Some(Phase::Decode)))
+            .map(|s| 1 + s.dec.depth.depth)
+            .sum();
         // What each busy slot feeds this step.
         let mut plan: Vec<Feed> = Vec::new();
         for i in 0..self.slots.len() {
@@ -1410,8 +1421,14 @@ impl<B: Backend> Worker<B> {
                     let mut drafts = match &spec {
                         Some(sp) => {
                             let s = &mut self.slots[i];
+                            let others = decode_rows.saturating_sub(1 + s.dec.depth.depth);
+                            let depth = if sp.adaptive {
+                                s.dec.depth.pick(sp.n_max, &self.costs, others)
+                            } else {
+                                sp.n_max
+                            };
                             s.dec
-                                .draft(&self.model, &self.be, sp, room)
+                                .draft(&self.model, &self.be, sp, room.min(depth), &mut self.costs)
                                 .map_err(model_err)?
                         }
                         None => Vec::new(),
@@ -1684,6 +1701,11 @@ impl<B: Backend> Worker<B> {
                 emitted.push((i, v.produced));
             }
         }
+        // A decode-only step's cost by its rows: forward, sampling and MTP fill.
+        if plan.iter().all(|f| !f.prefill) {
+            let rows = plan.iter().map(Feed::len).sum();
+            self.costs.observe_forward(rows, t0.elapsed().as_secs_f64());
+        }
         for i in prompt_only {
             self.finish(i, FinishReason::Length, None);
         }
@@ -1692,6 +1714,7 @@ impl<B: Backend> Worker<B> {
             let longest = self.slots.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
             let mut m = self.metrics.lock().unwrap();
             m.n_tokens_max = m.n_tokens_max.max(longest as u64);
+            m.round_costs = self.costs.summary();
         }
         for (i, ids) in emitted {
             let mut probs = std::mem::take(&mut self.slots[i].dec.sampled_probs).into_iter();

@@ -6,6 +6,9 @@
 //! `SlotDecoder` holds the per-sequence pieces and the steps of a round; `Generator` drives one
 //! sequence with them, the engine drives many in shared batches.
 
+use std::collections::VecDeque;
+use std::time::Instant;
+
 use crate::backend::{Backend, KvTypes};
 use crate::model::{BatchItem, Model, ModelError, MtpState, Output, SeqState};
 
@@ -20,6 +23,10 @@ pub struct SpecConfig {
     pub n_min: usize,
     /// `--spec-draft-p-min`: drafting stops at a token the head is less sure of.
     pub p_min: f32,
+    /// Each slot picks its depth in `0..=n_max` from its acceptance and the measured round
+    /// costs ([`AdaptiveDepth`]); off, every round drafts `n_max` (llama.cpp's behaviour, and
+    /// what a round-cost measurement needs).
+    pub adaptive: bool,
 }
 
 impl Default for SpecConfig {
@@ -28,7 +35,245 @@ impl Default for SpecConfig {
             n_max: 3,
             n_min: 0,
             p_min: 0.0,
+            adaptive: true,
         }
+    }
+}
+
+/// How many of the latest measurements of each kind a median is taken over.
+const COST_WINDOW: usize = 64;
+
+/// The latest [`COST_WINDOW`] durations of one kind, in seconds.
+#[derive(Clone, Debug, Default)]
+struct Window(VecDeque<f64>);
+
+impl Window {
+    fn push(&mut self, s: f64) {
+        if self.0.len() == COST_WINDOW {
+            self.0.pop_front();
+        }
+        self.0.push_back(s);
+    }
+
+    fn median(&self) -> Option<f64> {
+        if self.0.is_empty() {
+            return None;
+        }
+        let mut v: Vec<f64> = self.0.iter().copied().collect();
+        v.sort_by(f64::total_cmp);
+        Some(v[v.len() / 2])
+    }
+}
+
+/// What the parts of a draft round cost on this machine, measured as decoding runs (wall
+/// time; medians of the latest [`COST_WINDOW`], which a shared machine's spikes do not move):
+/// one MTP draft step (the MTP block, the draft head, the argmax), and a decode-only step by
+/// its row count (the trunk's forward, sampling the rows, and the MTP cache fill over the kept
+/// rows; one row is a plain step, a slot's verify batch adds its drafts).
+#[derive(Clone, Debug, Default)]
+pub struct RoundCosts {
+    draft: Window,
+    /// `forward[r - 1]`: forwards of `r` rows.
+    forward: Vec<Window>,
+}
+
+/// [`RoundCosts`]' medians, for `/metrics` and the bench.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RoundCostSummary {
+    pub draft_step_s: Option<f64>,
+    /// `(rows, seconds)` for every row count measured.
+    pub forward_s: Vec<(usize, f64)>,
+}
+
+impl RoundCostSummary {
+    pub fn forward(&self, rows: usize) -> Option<f64> {
+        self.forward_s
+            .iter()
+            .find(|(r, _)| *r == rows)
+            .map(|&(_, s)| s)
+    }
+}
+
+impl RoundCosts {
+    pub fn observe_draft_step(&mut self, s: f64) {
+        self.draft.push(s);
+    }
+
+    /// A trunk forward of `rows` rows that carried no prompt.
+    pub fn observe_forward(&mut self, rows: usize, s: f64) {
+        if rows == 0 {
+            return;
+        }
+        if self.forward.len() < rows {
+            self.forward.resize(rows, Window::default());
+        }
+        self.forward[rows - 1].push(s);
+    }
+
+    pub fn draft_step(&self) -> Option<f64> {
+        self.draft.median()
+    }
+
+    /// The cost of a forward of `rows` rows: more rows never cost less (the largest median at
+    /// or below `rows`, so noise cannot make a deeper verify look cheaper than a shallower
+    /// one); with nothing measured at or below, the cheapest measured above (an optimistic
+    /// guess that gets measured once acted on). `None` before any forward.
+    pub fn forward(&self, rows: usize) -> Option<f64> {
+        let medians: Vec<(usize, f64)> = self.summary_forward();
+        medians
+            .iter()
+            .filter(|(r, _)| *r <= rows)
+            .map(|&(_, s)| s)
+            .reduce(f64::max)
+            .or_else(|| {
+                medians
+                    .iter()
+                    .filter(|(r, _)| *r > rows)
+                    .map(|&(_, s)| s)
+                    .reduce(f64::min)
+            })
+    }
+
+    fn summary_forward(&self) -> Vec<(usize, f64)> {
+        self.forward
+            .iter()
+            .enumerate()
+            .filter_map(|(i, w)| w.median().map(|m| (i + 1, m)))
+            .collect()
+    }
+
+    pub fn summary(&self) -> RoundCostSummary {
+        RoundCostSummary {
+            draft_step_s: self.draft_step(),
+            forward_s: self.summary_forward(),
+        }
+    }
+}
+
+/// Tokens a round of depth `d` yields when each draft token is accepted with probability `a`
+/// given the ones before it were: `1 + a + ... + a^d`.
+pub fn expected_tokens(a: f64, d: usize) -> f64 {
+    (0..=d).map(|i| a.powi(i as i32)).sum()
+}
+
+/// The per-position acceptance above which a round of depth `d` yields more tokens per second
+/// than plain steps, for a round that costs `round_cost` plain steps (the root of
+/// `expected_tokens(a, d) = round_cost` in `[0, 1]`; `None` when even `a = 1` does not pay).
+pub fn break_even(d: usize, round_cost: f64) -> Option<f64> {
+    if expected_tokens(1.0, d) <= round_cost {
+        return None;
+    }
+    let (mut lo, mut hi) = (0.0f64, 1.0f64);
+    for _ in 0..60 {
+        let mid = 0.5 * (lo + hi);
+        if expected_tokens(mid, d) < round_cost {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(hi)
+}
+
+/// Forgetting factor of the acceptance estimate, per drafted round: about the last ten rounds
+/// count, so a slot follows its text's changes in predictability.
+const ACCEPT_DECAY: f64 = 0.9;
+/// Plain rounds before a slot drafts one token to re-measure acceptance: first
+/// [`PROBE_FIRST`], doubling after each probe that does not bring drafting back, up to
+/// [`PROBE_EVERY`]: a slot that dropped on a few unlucky rounds comes back soon, one whose
+/// drafts never pay spends one draft step in `PROBE_EVERY` rounds.
+pub const PROBE_FIRST: u32 = 2;
+pub const PROBE_EVERY: u32 = 16;
+
+/// A slot's draft depth, chosen per round. Acceptance is modelled per position (a draft token
+/// accepted with probability `a` given the ones before it were, which is what makes a round's
+/// yield `1 + a + ... + a^d`) and estimated as accepted / (accepted + rejections), each round
+/// contributing its accepted tokens and one rejection when it stopped short, both decayed by
+/// [`ACCEPT_DECAY`]. (accepted / drafted would count the tokens after a rejection, which were
+/// never tested, as failures.) The depth maximizes `expected_tokens(a, d)` per unit of time,
+/// a round costing `d` draft steps plus a forward of the slot's `d + 1` rows beside the other
+/// slots' rows, from [`RoundCosts`] as the engine measured them; 0 is plain decoding, and now
+/// and then ([`PROBE_FIRST`], [`PROBE_EVERY`]) a plain slot drafts one token so a slot whose
+/// text became predictable recovers.
+#[derive(Clone, Debug)]
+pub struct AdaptiveDepth {
+    accepted: f64,
+    rejected: f64,
+    plain_rounds: u32,
+    probe_gap: u32,
+    /// The depth of the latest round.
+    pub depth: usize,
+    /// Rounds that drafted nothing by choice, and rounds that probed.
+    pub plain: u64,
+    pub probes: u64,
+}
+
+impl Default for AdaptiveDepth {
+    fn default() -> Self {
+        // A prior of one acceptance and one rejection: a = 0.5 until measured.
+        AdaptiveDepth {
+            accepted: 1.0,
+            rejected: 1.0,
+            plain_rounds: 0,
+            probe_gap: PROBE_FIRST,
+            depth: 0,
+            plain: 0,
+            probes: 0,
+        }
+    }
+}
+
+impl AdaptiveDepth {
+    /// The estimated per-position acceptance.
+    pub fn acceptance(&self) -> f64 {
+        self.accepted / (self.accepted + self.rejected)
+    }
+
+    /// A verified round that carried `drafted` tokens, `accepted` of them kept.
+    pub fn observe(&mut self, drafted: usize, accepted: usize) {
+        if drafted == 0 {
+            return;
+        }
+        self.accepted = ACCEPT_DECAY * self.accepted + accepted as f64;
+        self.rejected = ACCEPT_DECAY * self.rejected + f64::from(u8::from(accepted < drafted));
+    }
+
+    /// The depth (at most `n_max`) with the most expected tokens per second, for a round
+    /// beside `other_rows` rows of other slots in the same forward.
+    pub fn best(&self, n_max: usize, costs: &RoundCosts, other_rows: usize) -> usize {
+        let (Some(draft), Some(_)) = (costs.draft_step(), costs.forward(1)) else {
+            // Nothing measured yet: draft fully, which measures both.
+            return n_max;
+        };
+        let a = self.acceptance();
+        let rate = |d: usize| {
+            let t = costs
+                .forward(other_rows + d + 1)
+                .expect("a forward was measured");
+            expected_tokens(a, d) / (d as f64 * draft + t)
+        };
+        (1..=n_max).fold(0, |best, d| if rate(d) > rate(best) { d } else { best })
+    }
+
+    /// Picks this round's depth (records it in `depth`).
+    pub fn pick(&mut self, n_max: usize, costs: &RoundCosts, other_rows: usize) -> usize {
+        let mut d = self.best(n_max, costs, other_rows);
+        if d == 0 && n_max > 0 {
+            self.plain_rounds += 1;
+            if self.plain_rounds > self.probe_gap {
+                self.plain_rounds = 0;
+                self.probe_gap = (2 * self.probe_gap).min(PROBE_EVERY);
+                self.probes += 1;
+                d = 1;
+            } else {
+                self.plain += 1;
+            }
+        } else {
+            self.plain_rounds = 0;
+            self.probe_gap = PROBE_FIRST;
+        }
+        self.depth = d;
+        d
     }
 }
 
@@ -86,6 +331,7 @@ pub struct SlotDecoder<B: Backend> {
     /// Sampled but not yet fed to the trunk.
     pub last: Option<u32>,
     pub stats: SpecStats,
+    pub depth: AdaptiveDepth,
     /// The request's grammar; `masks` are its masks for the rows about to be sampled (computed
     /// while the forward ran, or here when missing).
     pub constraint: Option<Constraint>,
@@ -126,6 +372,7 @@ impl<B: Backend> SlotDecoder<B> {
             sampler,
             last: None,
             stats: SpecStats::default(),
+            depth: AdaptiveDepth::default(),
             constraint: None,
             masks: Vec::new(),
             probs: None,
@@ -266,13 +513,15 @@ impl<B: Backend> SlotDecoder<B> {
         }
     }
 
-    /// The MTP head's greedy draft from the last sampled token (its cache is left as found).
+    /// The MTP head's greedy draft of at most `limit` tokens from the last sampled token (its
+    /// cache is left as found); each step's time goes to `costs`.
     pub fn draft(
         &mut self,
         model: &Model<B>,
         be: &B,
         spec: &SpecConfig,
         limit: usize,
+        costs: &mut RoundCosts,
     ) -> Result<Vec<u32>, ModelError> {
         let Some(last) = self.last else {
             return Ok(Vec::new());
@@ -285,6 +534,7 @@ impl<B: Backend> SlotDecoder<B> {
         let mut h = be.rows(&m.pending_h, 0, 1);
         let mut drafts = Vec::new();
         for _ in 0..spec.n_max.min(limit) {
+            let t0 = Instant::now();
             let out = model.mtp_draft(be, &mut m.state, &[tok], &h)?;
             // Only a p_min test needs the row on the host; otherwise read back the id alone.
             let d = if spec.p_min > 0.0 {
@@ -301,6 +551,7 @@ impl<B: Backend> SlotDecoder<B> {
             } else {
                 be.argmax_rows(&out.logits)[0]
             };
+            costs.observe_draft_step(t0.elapsed().as_secs_f64());
             drafts.push(d);
             tok = d;
             h = out.h;
@@ -366,6 +617,7 @@ impl<B: Backend> SlotDecoder<B> {
             for p in &mut self.stats.accepted_per_pos[..accepted] {
                 *p += 1;
             }
+            self.depth.observe(drafts.len(), accepted);
         }
         self.last = produced.last().copied();
         let kept = accepted + 1;
@@ -391,6 +643,8 @@ pub struct Generator<'a, B: Backend> {
     be: &'a B,
     pub slot: SlotDecoder<B>,
     spec: Option<SpecConfig>,
+    /// This sequence's measured round costs (the adaptive depth's input).
+    pub costs: RoundCosts,
 }
 
 impl<'a, B: Backend> Generator<'a, B> {
@@ -414,6 +668,7 @@ impl<'a, B: Backend> Generator<'a, B> {
             be,
             slot,
             spec,
+            costs: RoundCosts::default(),
         })
     }
 
@@ -459,7 +714,14 @@ impl<'a, B: Backend> Generator<'a, B> {
                     .cfg
                     .context_length
                     .saturating_sub(self.slot.seq.pos + 1);
-                self.slot.draft(self.model, self.be, &spec.clone(), room)?
+                let depth = if spec.adaptive {
+                    self.slot.depth.pick(spec.n_max, &self.costs, 0)
+                } else {
+                    spec.n_max
+                };
+                let spec = spec.clone();
+                self.slot
+                    .draft(self.model, self.be, &spec, room.min(depth), &mut self.costs)?
             }
             None => Vec::new(),
         };
@@ -479,6 +741,7 @@ impl<'a, B: Backend> Generator<'a, B> {
             hidden_rows: false,
             snapshot: !drafts.is_empty(),
         }];
+        let t0 = Instant::now();
         let out = self
             .model
             .forward_batch(self.be, &mut items)?
@@ -494,6 +757,8 @@ impl<'a, B: Backend> Generator<'a, B> {
             self.slot
                 .mtp_process(self.model, self.be, &batch[..v.kept], &h)?;
         }
+        self.costs
+            .observe_forward(batch.len(), t0.elapsed().as_secs_f64());
         Ok(v.produced)
     }
 }

@@ -174,6 +174,26 @@ pub fn render(state: &AppState, m: &Metrics) -> String {
             }
         }
     }
+    if state.cfg.spec.is_some() {
+        // What drafting's parts cost here: the adaptive depth's inputs.
+        let c = &m.round_costs;
+        let name = "tern:draft_step_seconds";
+        let _ = writeln!(
+            s,
+            "# HELP {name} One MTP draft step, the median of the latest 64"
+        );
+        let _ = writeln!(s, "# TYPE {name} gauge");
+        let _ = writeln!(s, "{name} {}", num(c.draft_step_s.unwrap_or(0.0)));
+        let name = "tern:decode_step_seconds";
+        let _ = writeln!(
+            s,
+            "# HELP {name} A decode step (forward, sampling, MTP cache fill) by its rows, the median of the latest 64"
+        );
+        let _ = writeln!(s, "# TYPE {name} gauge");
+        for (rows, v) in &c.forward_s {
+            let _ = writeln!(s, "{name}{{rows=\"{rows}\"}} {}", num(*v));
+        }
+    }
     let _ = writeln!(s, "# HELP tern:backend_info The backend the model runs on");
     let _ = writeln!(s, "# TYPE tern:backend_info gauge");
     let _ = writeln!(
