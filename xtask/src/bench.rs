@@ -41,7 +41,7 @@ fn streamed_bytes(g: &tern::gguf::Gguf) -> u64 {
 }
 
 /// The token ids the llama.cpp side uses too (bench_llama.py), so both evaluate the same text.
-fn prompt(n: usize) -> Vec<u32> {
+pub(crate) fn prompt(n: usize) -> Vec<u32> {
     (0..n)
         .map(|i| ((i * 7919 + 13) % 200 + 256) as u32)
         .collect()
@@ -60,7 +60,7 @@ fn cpu_ns() -> u64 {
         .sum()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -156,7 +156,7 @@ fn median_rounds(rounds: Vec<Value>) -> Value {
 }
 
 /// `/proc/loadavg`'s three figures, for the log of a shared machine.
-fn load_average() -> String {
+pub(crate) fn load_average() -> String {
     let l = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let f: Vec<&str> = l.split_whitespace().take(3).collect();
     format!("load average {}", f.join(" "))
@@ -295,7 +295,15 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
                 f.display(),
                 load_average()
             );
-            t.push(bench_tern_backends(&backends, f, o)?);
+            let mut tr = bench_tern_backends(&backends, f, o)?;
+            if want("cpu") {
+                tr.extend(crate::bench_draft::llama_table_rows(
+                    f,
+                    o.prompt_tokens,
+                    o.decode_tokens,
+                )?);
+            }
+            t.push(tr);
             if o.llama && llama_can {
                 eprintln!("llama.cpp (Python binding) on {} ...", f.display());
                 l.push(bench_llama(f, o, &script)?);
@@ -369,6 +377,11 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
             );
         }
     }
+    println!(
+        "tern-eng*: the serving engine (as serve runs it); -mtp drafts (adaptive depth <= 3) and \
+         -x3 is 3 streams' aggregate: llama-bench has neither, so their ratios are to its plain \
+         one-stream decode"
+    );
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir)?;
     let report = json!({
@@ -767,12 +780,12 @@ pub fn engine(
                 let results = match backend {
                     "wgpu" => {
                         let be = tern::backend::wgpu::WgpuBackend::new()?;
-                        let m = Model::load(&be, g.clone())?;
+                        let m = tern::plan::boot::load_model(&be, g.clone(), &[], spec)?;
                         best(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
                     }
                     _ => {
                         let be = CpuBackend::int8();
-                        let m = Model::load(&be, g.clone())?;
+                        let m = tern::plan::boot::load_model(&be, g.clone(), &[], spec)?;
                         best(&Engine::start(m, be, tok.clone(), cfg.clone())?)?
                     }
                 };
@@ -795,7 +808,7 @@ pub fn engine(
                         parallel,
                         v.name(),
                         if constrained { "json" } else { "-" },
-                        if spec { "mtp-3" } else { "off" },
+                        if spec { "adapt-3" } else { "off" },
                         tps,
                         if constrained {
                             format!("{tps_ratio:.3}")
@@ -835,7 +848,14 @@ pub fn engine(
         .unwrap_or(Path::new("."))
         .join("../../target/bench");
     let _ = std::fs::create_dir_all(&dir);
-    let out = json!({"file": file.display().to_string(), "decode_tokens": decode, "prompt_tokens": 64, "results": rows});
+    let draft_rounds = if has_mtp && !schema_only {
+        Some(crate::bench_draft::round_costs(
+            file, backend, decode, rounds,
+        )?)
+    } else {
+        None
+    };
+    let out = json!({"file": file.display().to_string(), "decode_tokens": decode, "prompt_tokens": 64, "results": rows, "draft_rounds": draft_rounds});
     std::fs::write(dir.join("engine.json"), serde_json::to_string_pretty(&out)?)?;
     Ok(())
 }

@@ -1,0 +1,203 @@
+//! Drafting in `cargo xtask bench`: what a draft round costs against a plain step, per depth,
+//! from the engine's own per-phase timers (`bench --engine`), and the drafting and 3-stream
+//! rows of the llama.cpp ratio table (`bench`).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{anyhow, Result};
+use serde_json::{json, Value};
+use tern::backend::cpu::CpuBackend;
+use tern::backend::{Backend, KvTypes};
+use tern::runtime::engine::{Engine, EngineConfig, Request};
+use tern::runtime::sampler::SamplerConfig;
+use tern::runtime::speculative::{break_even, RoundCostSummary, SpecConfig};
+use tern::tensor::GgmlType;
+
+use crate::bench::{load_average, median, prompt};
+
+fn config(parallel: usize, spec: Option<SpecConfig>) -> EngineConfig {
+    EngineConfig {
+        ctx_size: 1024 * parallel,
+        parallel,
+        ubatch: 512,
+        kv_types: KvTypes {
+            k: GgmlType::F16,
+            v: GgmlType::F16,
+        },
+        spec,
+        draft_kv_types: KvTypes {
+            k: GgmlType::F16,
+            v: GgmlType::F16,
+        },
+    }
+}
+
+/// One engine run on `file` as `serve` loads it (the reduced draft head when drafting):
+/// `parallel` greedy streams of `decode` tokens after `prompt_tokens` of prompt. Returns the
+/// aggregate decode t/s and the engine's round costs afterwards.
+fn run_engine<B: Backend + 'static>(
+    be: B,
+    g: &Arc<tern::gguf::Gguf>,
+    parallel: usize,
+    spec: Option<SpecConfig>,
+    prompt_tokens: usize,
+    decode: usize,
+) -> Result<(f64, f64, RoundCostSummary)>
+where
+    B::W: 'static,
+{
+    let tok = Arc::new(tern::tokenizer::Tokenizer::from_gguf(g)?);
+    let m = tern::plan::boot::load_model(&be, g.clone(), &[], spec.is_some())?;
+    let e = Engine::start(m, be, tok, config(parallel, spec))?;
+    let hs: Vec<_> = (0..parallel)
+        .map(|_| {
+            e.submit(Request {
+                prompt: prompt(prompt_tokens),
+                max_tokens: decode,
+                sampler: SamplerConfig::greedy(),
+                ignore_eos: true,
+                ..Default::default()
+            })
+        })
+        .collect();
+    let (mut n, mut decode_s, mut prompt_tps) = (0usize, 0f64, 0f64);
+    for h in hs {
+        let (_, _, f) = h.collect().map_err(|e| anyhow!("{e}"))?;
+        n += f.completion_tokens;
+        decode_s = decode_s.max(f.timings.predicted_ms / 1e3);
+        prompt_tps +=
+            f.timings.prompt_n as f64 / (f.timings.prompt_ms / 1e3).max(1e-9) / parallel as f64;
+    }
+    // The worker publishes its counters right after the step that finished.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    Ok((
+        n as f64 / decode_s.max(1e-9),
+        prompt_tps,
+        e.metrics().round_costs,
+    ))
+}
+
+fn run_on(
+    backend: &str,
+    g: &Arc<tern::gguf::Gguf>,
+    parallel: usize,
+    spec: Option<SpecConfig>,
+    prompt_tokens: usize,
+    decode: usize,
+) -> Result<(f64, f64, RoundCostSummary)> {
+    match backend {
+        "wgpu" => run_engine(
+            tern::backend::wgpu::WgpuBackend::new()?,
+            g,
+            parallel,
+            spec,
+            prompt_tokens,
+            decode,
+        ),
+        _ => run_engine(CpuBackend::int8(), g, parallel, spec, prompt_tokens, decode),
+    }
+}
+
+/// A fixed depth (what a cost measurement needs: the adaptive policy would drop a random head's
+/// drafts).
+fn fixed(depth: usize) -> SpecConfig {
+    SpecConfig {
+        n_max: depth,
+        adaptive: false,
+        ..SpecConfig::default()
+    }
+}
+
+/// `bench --engine`'s draft-round table: for depth 1, 2 and 3, one MTP draft step, the verify
+/// step of `depth + 1` rows and a plain step (an engine without drafting), each the engine's
+/// median over its `decode` steps, then the median over `rounds` rounds in which the four
+/// engines take turns; the round's cost in plain steps (`depth` draft steps + the verify) and
+/// the per-position acceptance at which it breaks even (`1 + a + .. + a^depth` = that cost).
+pub fn round_costs(file: &Path, backend: &str, decode: usize, rounds: usize) -> Result<Value> {
+    let g = Arc::new(tern::gguf::Gguf::open(file)?);
+    if !tern::model::Config::from_gguf(&g)?.has_mtp() {
+        return Err(anyhow!("{} has no MTP block to draft with", file.display()));
+    }
+    let depths = [1usize, 2, 3];
+    let (mut plain, mut draft, mut verify) = (Vec::new(), vec![Vec::new(); 3], vec![Vec::new(); 3]);
+    for round in 0..rounds {
+        eprintln!("draft rounds {}/{rounds}, {}", round + 1, load_average());
+        let (_, _, c) = run_on(backend, &g, 1, None, 64, decode)?;
+        plain.push(
+            c.forward(1)
+                .ok_or_else(|| anyhow!("no plain step was timed"))?,
+        );
+        for (k, &d) in depths.iter().enumerate() {
+            let (_, _, c) = run_on(backend, &g, 1, Some(fixed(d)), 64, decode)?;
+            draft[k].push(
+                c.draft_step_s
+                    .ok_or_else(|| anyhow!("no draft step was timed"))?,
+            );
+            verify[k].push(
+                c.forward(d + 1)
+                    .ok_or_else(|| anyhow!("no verify step of {} rows was timed", d + 1))?,
+            );
+        }
+    }
+    let plain = median(plain);
+    println!(
+        "\ndraft rounds on {} ({backend}, reduced draft head as serve loads it), medians; {}",
+        file.display(),
+        load_average()
+    );
+    println!(
+        "{:>6} {:>14} {:>12} {:>12} {:>14} {:>12}",
+        "depth", "draft step ms", "verify ms", "plain ms", "round / plain", "break-even a"
+    );
+    let mut rows = Vec::new();
+    for (k, &d) in depths.iter().enumerate() {
+        let (ds, vs) = (median(draft[k].clone()), median(verify[k].clone()));
+        let ratio = (d as f64 * ds + vs) / plain;
+        let be = break_even(d, ratio);
+        println!(
+            "{:>6} {:>14.3} {:>12.3} {:>12.3} {:>14.3} {:>12}",
+            d,
+            ds * 1e3,
+            vs * 1e3,
+            plain * 1e3,
+            ratio,
+            be.map_or("never".to_string(), |a| format!("{:.1}%", 100.0 * a))
+        );
+        rows.push(json!({"depth": d, "draft_step_ms": ds * 1e3, "verify_ms": vs * 1e3,
+            "verify_rows": d + 1, "plain_ms": plain * 1e3, "round_over_plain": ratio,
+            "break_even_acceptance": be, "draft_step_ms_rounds": draft[k], "verify_ms_rounds": verify[k]}));
+    }
+    Ok(
+        json!({"file": file.display().to_string(), "backend": backend, "decode_tokens": decode,
+        "rounds": rounds, "load_average_after": load_average(), "depths": rows}),
+    )
+}
+
+/// The engine's rows of the llama.cpp ratio table on `file` (cpu, the serving path, as
+/// `serve` runs it): one stream without and with drafting (`--spec-type draft-mtp`, adaptive
+/// depth up to 3, the reduced draft head), and three streams without drafting (aggregate t/s;
+/// prompt t/s per stream). llama-bench has neither MTP drafting nor concurrent streams: these
+/// rows' ratios are to its plain one-stream decode.
+pub fn llama_table_rows(file: &Path, prompt_tokens: usize, decode: usize) -> Result<Vec<Value>> {
+    let g = Arc::new(tern::gguf::Gguf::open(file)?);
+    let has_mtp = tern::model::Config::from_gguf(&g)?.has_mtp();
+    let mut out = Vec::new();
+    for (label, streams, spec) in [
+        ("eng", 1, None),
+        ("eng-mtp", 1, Some(SpecConfig::default())),
+        ("eng-x3", 3, None),
+    ] {
+        if spec.is_some() && !has_mtp {
+            continue;
+        }
+        eprintln!("tern {label} on {} ...", file.display());
+        let drafting = spec.is_some();
+        let (tps, ptps, _) = run_on("cpu", &g, streams, spec, prompt_tokens, decode)?;
+        out.push(
+            json!({"engine": "tern", "backend": label, "streams": streams,
+            "drafting": drafting, "prefill_tps": ptps, "decode_tps": tps}),
+        );
+    }
+    Ok(out)
+}
