@@ -33,23 +33,42 @@ fn config(parallel: usize, spec: Option<SpecConfig>) -> EngineConfig {
     }
 }
 
-/// One engine run on `file` as `serve` loads it (the reduced draft head when drafting):
-/// `parallel` greedy streams of `decode` tokens after `prompt_tokens` of prompt. Returns the
-/// aggregate decode t/s and the engine's round costs afterwards.
-fn run_engine<B: Backend + 'static>(
+/// An engine on `file` as `serve` starts one (the reduced draft head when drafting).
+fn start<B: Backend + 'static>(
     be: B,
     g: &Arc<tern::gguf::Gguf>,
     parallel: usize,
     spec: Option<SpecConfig>,
-    prompt_tokens: usize,
-    decode: usize,
-) -> Result<(f64, f64, RoundCostSummary)>
+) -> Result<Engine>
 where
     B::W: 'static,
 {
     let tok = Arc::new(tern::tokenizer::Tokenizer::from_gguf(g)?);
     let m = tern::plan::boot::load_model(&be, g.clone(), &[], spec.is_some())?;
-    let e = Engine::start(m, be, tok, config(parallel, spec))?;
+    Ok(Engine::start(m, be, tok, config(parallel, spec))?)
+}
+
+fn start_on(
+    backend: &str,
+    g: &Arc<tern::gguf::Gguf>,
+    parallel: usize,
+    spec: Option<SpecConfig>,
+) -> Result<Engine> {
+    match backend {
+        "wgpu" => start(tern::backend::wgpu::WgpuBackend::new()?, g, parallel, spec),
+        _ => start(CpuBackend::int8(), g, parallel, spec),
+    }
+}
+
+/// `parallel` greedy streams of `decode` tokens after `prompt_tokens` of prompt (the same
+/// prompt each time: a repeated run reuses it from the slot). Returns the aggregate decode t/s,
+/// prompt t/s per stream and the engine's round costs afterwards.
+fn run(
+    e: &Engine,
+    parallel: usize,
+    prompt_tokens: usize,
+    decode: usize,
+) -> Result<(f64, f64, RoundCostSummary)> {
     let hs: Vec<_> = (0..parallel)
         .map(|_| {
             e.submit(Request {
@@ -78,27 +97,6 @@ where
     ))
 }
 
-fn run_on(
-    backend: &str,
-    g: &Arc<tern::gguf::Gguf>,
-    parallel: usize,
-    spec: Option<SpecConfig>,
-    prompt_tokens: usize,
-    decode: usize,
-) -> Result<(f64, f64, RoundCostSummary)> {
-    match backend {
-        "wgpu" => run_engine(
-            tern::backend::wgpu::WgpuBackend::new()?,
-            g,
-            parallel,
-            spec,
-            prompt_tokens,
-            decode,
-        ),
-        _ => run_engine(CpuBackend::int8(), g, parallel, spec, prompt_tokens, decode),
-    }
-}
-
 /// A fixed depth (what a cost measurement needs: the adaptive policy would drop a random head's
 /// drafts).
 fn fixed(depth: usize) -> SpecConfig {
@@ -110,26 +108,40 @@ fn fixed(depth: usize) -> SpecConfig {
 }
 
 /// `bench --engine`'s draft-round table: for depth 1, 2 and 3, one MTP draft step, the verify
-/// step of `depth + 1` rows and a plain step (an engine without drafting), each the engine's
-/// median over its `decode` steps, then the median over `rounds` rounds in which the four
-/// engines take turns; the round's cost in plain steps (`depth` draft steps + the verify) and
-/// the per-position acceptance at which it breaks even (`1 + a + .. + a^depth` = that cost).
+/// step of `depth + 1` rows and a plain step (an engine without drafting), from the engines'
+/// own timers. The four engines stay up and take turns, `rounds` x 4 requests of `decode`
+/// tokens each, so every figure is measured across the same stretch of a shared machine's
+/// load: each request's medians (of the engine's latest 64 steps), then the median over
+/// requests. A round's cost in plain steps is `depth` draft steps + the verify; it breaks even
+/// at the per-position acceptance `a` with `1 + a + .. + a^depth` = that cost.
 pub fn round_costs(file: &Path, backend: &str, decode: usize, rounds: usize) -> Result<Value> {
     let g = Arc::new(tern::gguf::Gguf::open(file)?);
     if !tern::model::Config::from_gguf(&g)?.has_mtp() {
         return Err(anyhow!("{} has no MTP block to draft with", file.display()));
     }
     let depths = [1usize, 2, 3];
+    let plain_engine = start_on(backend, &g, 1, None)?;
+    let engines = depths
+        .iter()
+        .map(|&d| start_on(backend, &g, 1, Some(fixed(d))))
+        .collect::<Result<Vec<_>>>()?;
     let (mut plain, mut draft, mut verify) = (Vec::new(), vec![Vec::new(); 3], vec![Vec::new(); 3]);
-    for round in 0..rounds {
-        eprintln!("draft rounds {}/{rounds}, {}", round + 1, load_average());
-        let (_, _, c) = run_on(backend, &g, 1, None, 64, decode)?;
+    for round in 0..4 * rounds {
+        if round % 4 == 0 {
+            eprintln!(
+                "draft rounds {}/{}, {}",
+                round + 1,
+                4 * rounds,
+                load_average()
+            );
+        }
+        let (_, _, c) = run(&plain_engine, 1, 64, decode)?;
         plain.push(
             c.forward(1)
                 .ok_or_else(|| anyhow!("no plain step was timed"))?,
         );
-        for (k, &d) in depths.iter().enumerate() {
-            let (_, _, c) = run_on(backend, &g, 1, Some(fixed(d)), 64, decode)?;
+        for (k, (&d, e)) in depths.iter().zip(&engines).enumerate() {
+            let (_, _, c) = run(e, 1, 64, decode)?;
             draft[k].push(
                 c.draft_step_s
                     .ok_or_else(|| anyhow!("no draft step was timed"))?,
@@ -193,7 +205,8 @@ pub fn llama_table_rows(file: &Path, prompt_tokens: usize, decode: usize) -> Res
         }
         eprintln!("tern {label} on {} ...", file.display());
         let drafting = spec.is_some();
-        let (tps, ptps, _) = run_on("cpu", &g, streams, spec, prompt_tokens, decode)?;
+        let e = start_on("cpu", &g, streams, spec)?;
+        let (tps, ptps, _) = run(&e, streams, prompt_tokens, decode)?;
         out.push(
             json!({"engine": "tern", "backend": label, "streams": streams,
             "drafting": drafting, "prefill_tps": ptps, "decode_tps": tps}),
