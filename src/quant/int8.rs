@@ -462,6 +462,19 @@ pub fn gemm_vectorized() -> bool {
     isas().contains(&Isa::Avx512Vnni)
 }
 
+/// Token rows from which the tiled product beats the row kernels on weights of type `ty`: it
+/// decodes each weight row into a panel once per product, which only enough token rows repay.
+/// `cargo xtask bench --kernels` measured the crossover (tiled over row kernels, decoding
+/// included): Q8_0 0.51 at 16 rows and 1.41 at 64, Q4_0 0.64 and 1.86, PQ2_0 0.83 and 1.55,
+/// PTQ1_0 (whose trits decode slowly) 0.28 and 1.07.
+pub fn tiled_min_rows(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => 24,
+        GgmlType::PTQ1_0 => 64,
+        _ => 32,
+    }
+}
+
 /// The tiled product: `out[i * panel.rows() + r] = panel row r · x[t0 + i]` for `n` activation
 /// rows from `t0`, every decoded weight row against every activation row, a register tile of
 /// several of each at a time (each code and level loaded once per tile, not once per pair).

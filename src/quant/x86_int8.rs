@@ -245,6 +245,7 @@ unsafe fn ptq1_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mu
     let mut off = [0f32; N];
     for b in 0..nb {
         let blk = row.as_ptr().add(b * 28);
+        prefetch(blk);
         let codes = ptq1_0_codes(blk);
         let c = [
             _mm512_loadu_si512(codes.as_ptr() as *const _),
@@ -374,6 +375,7 @@ unsafe fn q8_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut 
     let mut acc = [_mm256_setzero_ps(); N];
     for b in 0..nb {
         let blk = row.as_ptr().add(b * 34);
+        prefetch(blk);
         let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
         let aw = _mm256_sign_epi8(w, w);
         let dw = _mm256_set1_ps(f16_scalar(blk));
@@ -400,6 +402,7 @@ unsafe fn q4_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut 
     let mut acc = [_mm256_setzero_ps(); N];
     for b in 0..nb {
         let blk = row.as_ptr().add(b * 18);
+        prefetch(blk);
         let q = _mm_loadu_si128(blk.add(2) as *const __m128i);
         let c = _mm256_set_m128i(
             _mm_and_si128(_mm_srli_epi16::<4>(q), m15),
@@ -459,6 +462,7 @@ unsafe fn pq2_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut
     let mut off = [0f32; N];
     for b in 0..nb {
         let blk = row.as_ptr().add(b * 34);
+        prefetch(blk);
         let q = _mm256_loadu_si256(blk.add(2) as *const __m256i);
         let c = [
             _mm256_and_si256(q, m3),
@@ -480,6 +484,7 @@ unsafe fn ptq1_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mu
     let mut off = [0f32; N];
     for b in 0..nb {
         let blk = row.as_ptr().add(b * 28);
+        prefetch(blk);
         let codes = ptq1_0_codes(blk);
         let c: [__m256i; 4] = std::array::from_fn(|j| {
             _mm256_loadu_si256(codes.as_ptr().add(32 * j) as *const __m256i)

@@ -463,14 +463,19 @@ pub fn kernels() -> Result<()> {
     int8_kernels(&x, &src, rows)
 }
 
-/// Seconds this thread has been on a CPU (`/proc/thread-self/schedstat`): the kernel tables
-/// time single-threaded loops by it, so that on a shared machine the time the thread waited
-/// for a core does not count (cache and memory contention still do).
+/// Seconds this thread has been on a CPU (`CLOCK_THREAD_CPUTIME_ID`): the kernel tables time
+/// single-threaded loops by it, so that on a shared machine the time the thread waited for a
+/// core does not count (cache and memory contention still do).
 fn thread_cpu_s() -> f64 {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .map_or(f64::NAN, |ns| ns as f64 / 1e9)
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec for the call to fill.
+    if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) } != 0 {
+        return f64::NAN;
+    }
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
 /// The serving path's integer kernels (`quant::int8`) on the same matrices, for 1 to 4
@@ -531,7 +536,7 @@ fn tiled_kernels(src: &[f32]) -> Result<()> {
     for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
         let row = tern::quant::quantize_row(ty, src)?;
         let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
-        for toks in [1usize, 2, 3, 4, 8, 16, 64] {
+        for toks in [1usize, 2, 3, 4, 8, 16, 24, 32, 64] {
             let xs: Vec<f32> = (0..toks * cols)
                 .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
                 .collect();

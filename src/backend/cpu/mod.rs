@@ -129,16 +129,16 @@ fn product(w: &Weight, x: &[f32], int8: bool) -> Tensor {
     out
 }
 
-/// `product` on the serving path: the activations quantized once, then up to `MAX_ROWS` token
-/// rows (a decode step, a batch of streams, a verify batch) go through the row kernels, each
-/// weight row read from memory once for all of them; more (prefill) through the tiled kernel
-/// where the CPU has it.
+/// `product` on the serving path: the activations quantized once, then a few token rows (a
+/// decode step, a batch of streams, a verify batch) go through the row kernels in groups of
+/// `MAX_ROWS`, each weight row read from memory once for a group; many (prefill) through the
+/// tiled kernel where the CPU has it.
 fn product_int8(w: &Weight, x: &[f32], out: &mut Tensor) {
     use quant::int8::{self, QActs, MAX_ROWS};
     let (k, n_out) = (w.ne0, w.rows);
     let n_tok = x.len() / k;
     let acts = QActs::quantize(w.ty, x, k);
-    if n_tok > MAX_ROWS && int8::gemm_vectorized() {
+    if n_tok >= int8::tiled_min_rows(w.ty) && int8::gemm_vectorized() {
         return product_int8_tiled(w, &acts, out);
     }
     let chunk = int8_row_chunk(w.row_bytes, n_out);
@@ -179,7 +179,7 @@ const TILED_ROWS: usize = 64;
 /// stay in L2 while the kernel runs down the panel.
 const TILED_TOKENS: usize = 64;
 
-/// `product_int8` for more token rows than the row kernels take at once (prefill): each task
+/// `product_int8` for many token rows (prefill, `int8::tiled_min_rows`): each task
 /// decodes `TILED_ROWS` weight rows into a panel of codes and runs the tiled kernel over
 /// panels of `TILED_TOKENS` token rows, writing its columns of `out`.
 fn product_int8_tiled(w: &Weight, acts: &quant::int8::QActs, out: &mut Tensor) {
