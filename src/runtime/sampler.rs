@@ -481,31 +481,45 @@ impl Sampler {
         mask: Option<Mask>,
         probs: Option<ProbsRequest>,
     ) -> (u32, Option<TokenProbs>) {
-        let mut l = logits.to_vec();
-        if mask.is_some() {
-            for (i, x) in l.iter_mut().enumerate() {
-                if !allowed(mask, i) {
-                    *x = f32::NEG_INFINITY;
+        let c = &self.cfg;
+        // The row is copied only when something rewrites it.
+        let edits = mask.is_some() || !c.logit_bias.is_empty() || c.penalties_on() || c.dry_on();
+        let mut owned = Vec::new();
+        if edits {
+            owned = logits.to_vec();
+            if mask.is_some() {
+                for (i, x) in owned.iter_mut().enumerate() {
+                    if !allowed(mask, i) {
+                        *x = f32::NEG_INFINITY;
+                    }
                 }
             }
-        }
-        for &(id, b) in &self.cfg.logit_bias {
-            if let Some(x) = l.get_mut(id as usize) {
-                *x += b;
+            for &(id, b) in &c.logit_bias {
+                if let Some(x) = owned.get_mut(id as usize) {
+                    *x += b;
+                }
             }
+            self.apply_penalties(&mut owned);
+            self.apply_dry(&mut owned);
         }
-        self.apply_penalties(&mut l);
-        self.apply_dry(&mut l);
-        let mut cands: Vec<Cand> = l
-            .iter()
-            .enumerate()
-            .filter(|(_, &x)| x > f32::NEG_INFINITY)
-            .map(|(i, &x)| Cand {
-                id: i as u32,
-                logit: x,
-                p: 0.0,
-            })
-            .collect();
+        let l: &[f32] = if edits { &owned } else { logits };
+        // top-k is the chain's first cut unless top-n-sigma or mirostat must see every
+        // candidate: then one pass over the row keeps the k best instead of building and
+        // selecting a candidate per vocabulary entry.
+        let c = &self.cfg;
+        let mut cands = if c.top_k > 0 && c.top_n_sigma <= 0.0 && c.mirostat == 0 {
+            top_k_scan(l, c.top_k)
+        } else {
+            l.iter()
+                .enumerate()
+                .filter(|(_, &x)| x > f32::NEG_INFINITY)
+                .map(|(i, &x)| Cand {
+                    id: i as u32,
+                    logit: x,
+                    p: 0.0,
+                })
+                .collect()
+        };
         if cands.is_empty() {
             // Everything is banned: llama.cpp would draw from nothing; take the raw argmax of
             // what the mask allows, else of the row.
@@ -723,6 +737,42 @@ fn top_k(c: &mut Vec<Cand>, k: usize) {
     sort_desc(c);
 }
 
+/// The candidates `top_k(k)` leaves of a row's finite entries above `-inf`, exactly (the same
+/// set, in the same order), in one pass: entries are kept while they can still be among the k
+/// best, and the buffer is cut back to k whenever it reaches `4k`. Ids rise along the scan, so
+/// once cut, an entry that only ties the k-th logit loses the tie and is never kept.
+fn top_k_scan(row: &[f32], k: usize) -> Vec<Cand> {
+    let cap = 4 * k.max(16);
+    let mut buf: Vec<Cand> = Vec::with_capacity(cap + 1);
+    let mut floor = f32::NEG_INFINITY;
+    let mut cut = false;
+    let by_rank = |a: &Cand, b: &Cand| b.logit.total_cmp(&a.logit).then(a.id.cmp(&b.id));
+    for (i, &x) in row.iter().enumerate() {
+        if x > floor {
+            buf.push(Cand {
+                id: i as u32,
+                logit: x,
+                p: 0.0,
+            });
+            if buf.len() >= cap {
+                buf.select_nth_unstable_by(k - 1, by_rank);
+                buf.truncate(k);
+                floor = buf.iter().map(|c| c.logit).fold(f32::INFINITY, f32::min);
+                cut = true;
+            }
+        }
+    }
+    // As `top_k`: the k best sorted, or every entry in id order when there are no more than k.
+    if cut || buf.len() > k {
+        if buf.len() > k {
+            buf.select_nth_unstable_by(k - 1, by_rank);
+            buf.truncate(k);
+        }
+        sort_desc(&mut buf);
+    }
+    buf
+}
+
 fn typical(c: &mut Vec<Cand>, p: f32, min_keep: usize) {
     if p >= 1.0 {
         return;
@@ -859,6 +909,51 @@ mod tests {
     fn draws(c: SamplerConfig, logits: &[f32], n: usize) -> Vec<u32> {
         let mut s = Sampler::new(c);
         (0..n).map(|_| s.sample(logits)).collect()
+    }
+
+    /// The one-pass top-k keeps what building every candidate and cutting with `top_k` keeps,
+    /// in the same order: ties at the k-th logit, banned entries, fewer entries than k, k = 1.
+    #[test]
+    fn top_k_scan_matches_the_full_cut() {
+        let mut state = 7u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 33) as u32
+        };
+        for (n, k, levels) in [
+            (5000, 40, 50),
+            (5000, 1, 7),
+            (30, 40, 5),
+            (1000, 40, 3),
+            (200_000, 40, 100_000),
+        ] {
+            let row: Vec<f32> = (0..n)
+                .map(|_| match next() % 97 {
+                    0 => f32::NEG_INFINITY,
+                    _ => (next() % levels) as f32 * 0.25 - 3.0,
+                })
+                .collect();
+            let mut full: Vec<Cand> = row
+                .iter()
+                .enumerate()
+                .filter(|(_, &x)| x > f32::NEG_INFINITY)
+                .map(|(i, &x)| Cand {
+                    id: i as u32,
+                    logit: x,
+                    p: 0.0,
+                })
+                .collect();
+            top_k(&mut full, k);
+            let fast = top_k_scan(&row, k);
+            let ids = |c: &[Cand]| {
+                c.iter()
+                    .map(|c| (c.id, c.logit.to_bits()))
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(ids(&fast), ids(&full), "n {n} k {k} levels {levels}");
+        }
     }
 
     #[test]
