@@ -54,6 +54,9 @@ impl Rows<'_> {
                 let bs = ty.block_size();
                 for (r, out) in buf.chunks_exact_mut(hd).enumerate() {
                     let src = &data[(j0 + r) * row_bytes..][..row_bytes];
+                    if ty == GgmlType::F16 && f16_head(&src[g * hd * 2..][..hd * 2], out) {
+                        continue;
+                    }
                     if hd.is_multiple_of(bs) {
                         let hb = hd / bs * ty.type_size();
                         quant::dequantize_row(ty, &src[g * hb..][..hb], out)
@@ -67,6 +70,21 @@ impl Rows<'_> {
                 (&buf[..], hd)
             }
         }
+    }
+}
+
+/// An f16 cache row's head into f32 with the CPU's conversion instructions (F16C where the
+/// CPU has it, through `half`), the same values `quant::dequantize_row` gives, which converts
+/// one element at a time: at depth the cache's conversion is most of a decode step's attention.
+/// False (nothing written) when the bytes are not 2-aligned.
+fn f16_head(src: &[u8], out: &mut [f32]) -> bool {
+    use half::slice::HalfFloatSliceExt;
+    match bytemuck::try_cast_slice::<u8, half::f16>(src) {
+        Ok(h) => {
+            h.convert_to_f32_slice(out);
+            true
+        }
+        Err(_) => false,
     }
 }
 
@@ -309,5 +327,41 @@ fn softmax_columns(
     let inv: Vec<f32> = sum.iter().map(|&s| (1.0 / s) as f32).collect();
     for row in st.chunks_exact_mut(m_rows) {
         row.iter_mut().zip(&inv).for_each(|(s, &i)| *s *= i);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every f16 bit pattern (subnormals, infinities, NaNs included) reads back as
+    /// `quant::dequantize_row` decodes it, through a head that does not start at the row's
+    /// start and an odd number of rows.
+    #[test]
+    fn f16_cache_heads_match_dequantize_row() {
+        let (hd, width) = (96, 3 * 96);
+        let n_rows = (1usize << 16).div_ceil(width) + 1;
+        let bits: Vec<u16> = (0..n_rows * width)
+            .map(|i| (i * 40_503 % 65_536) as u16)
+            .collect();
+        let data: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let rows = Rows::Blocks {
+            ty: GgmlType::F16,
+            data: &data,
+            row_bytes: width * 2,
+        };
+        let (mut buf, mut row) = (Vec::new(), Vec::new());
+        for g in 0..3 {
+            let (got, ld) = rows.head(g, hd, width, 1, n_rows - 1, &mut buf, &mut row);
+            assert_eq!(ld, hd);
+            for r in 0..n_rows - 1 {
+                let src = &data[((1 + r) * width + g * hd) * 2..][..hd * 2];
+                let mut want = vec![0f32; hd];
+                quant::dequantize_row(GgmlType::F16, src, &mut want).unwrap();
+                let got: Vec<u32> = got[r * hd..][..hd].iter().map(|v| v.to_bits()).collect();
+                let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, want, "head {g} row {r}");
+            }
+        }
     }
 }
