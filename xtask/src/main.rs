@@ -1,6 +1,7 @@
 //! Project tasks: `cargo xtask <task>`.
 
 mod bench;
+mod bench_depth;
 mod bench_draft;
 mod bench_lora;
 mod bench_vision;
@@ -47,6 +48,10 @@ const USAGE: &str = "usage: cargo xtask <task>
                         GB/s of weights streamed per decoded token, and on cuda against the
                         device's copy bandwidth measured in the same run (cuda needs
                         `cargo run --release -p xtask --features cuda -- bench ...`)
+  bench --depth D,D,... [--decode N] [FILE...]
+                        decode t/s with D positions already cached (f16 K/V), tern's serving
+                        path beside `llama-bench -d D` (TERN_LLAMA_BENCH) in the same run, one
+                        round per depth (a 16k fill takes minutes); default files as bench
   bench --kernels       single-thread dot_row throughput per weight type; the int8 row
                         kernels for 1 to 4 rows and the tiled int8 product (G MAC/s)
   bench --vision [--no-llama] [--runs N] [--model F] [--mmproj F] [--image F]
@@ -222,6 +227,9 @@ fn main() -> Result<()> {
             };
             if args[1..].iter().any(|a| a == "--kernels") {
                 return bench::kernels();
+            }
+            if let Some(i) = args[1..].iter().position(|a| a == "--depth") {
+                return bench_depth_cli(&root, &args[1..], i);
             }
             if args[1..].iter().any(|a| a == "--lora") {
                 let rest: Vec<&String> = args[1..].iter().filter(|a| *a != "--lora").collect();
@@ -533,4 +541,41 @@ fn main() -> Result<()> {
             std::process::exit(2)
         }
     }
+}
+
+/// `bench --depth D,... [--decode N] [FILE...]` (`at` is the index of `--depth` in `args`).
+fn bench_depth_cli(root: &std::path::Path, args: &[String], at: usize) -> Result<()> {
+    let mut o = bench_depth::Options {
+        files: Vec::new(),
+        depths: Vec::new(),
+        decode_tokens: 32,
+    };
+    let mut it = args.iter().enumerate();
+    while let Some((i, a)) = it.next() {
+        let mut value = |flag: &str| -> Result<String> {
+            match it.next() {
+                Some((_, v)) => Ok(v.clone()),
+                None => bail!("{flag} needs a value\n{USAGE}"),
+            }
+        };
+        match a.as_str() {
+            "--depth" if i == at => o.depths = bench_depth::parse_depths(&value("--depth")?)?,
+            "--decode" => {
+                o.decode_tokens = match value("--decode")?.parse::<usize>() {
+                    Ok(n) if n > 0 => n,
+                    _ => bail!("--decode needs a positive number\n{USAGE}"),
+                }
+            }
+            f if !f.starts_with("--") => o.files.push(PathBuf::from(f)),
+            other => bail!("bench --depth: unknown option {other}\n{USAGE}"),
+        }
+    }
+    if o.files.is_empty() {
+        let d = root.join("fixtures/bench");
+        o.files = ["bench-0.8b-q8_0.gguf", "bench-0.8b-pq2_0.gguf"]
+            .iter()
+            .map(|f| d.join(f))
+            .collect();
+    }
+    bench_depth::run(root, &o)
 }
