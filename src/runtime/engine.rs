@@ -359,6 +359,10 @@ pub struct Metrics {
     /// Time steps waited for masks after their forward had finished: the grammars' cost not
     /// hidden behind the forward.
     pub grammar_wait_seconds_total: f64,
+    /// Steps that carried no prompt rows, and their wall time (forward, masks, sampling, MTP
+    /// fill): a decode step's cost apart from prefills batched beside it.
+    pub decode_only_steps_total: u64,
+    pub decode_only_seconds_total: f64,
 }
 
 struct Submitted {
@@ -1704,7 +1708,11 @@ impl<B: Backend> Worker<B> {
         // A decode-only step's cost by its rows: forward, sampling and MTP fill.
         if plan.iter().all(|f| !f.prefill) {
             let rows = plan.iter().map(Feed::len).sum();
-            self.costs.observe_forward(rows, t0.elapsed().as_secs_f64());
+            let s = t0.elapsed().as_secs_f64();
+            self.costs.observe_forward(rows, s);
+            let mut m = self.metrics.lock().unwrap();
+            m.decode_only_steps_total += 1;
+            m.decode_only_seconds_total += s;
         }
         for i in prompt_only {
             self.finish(i, FinishReason::Length, None);

@@ -598,6 +598,8 @@ struct Run {
     /// Grammar masks per token, and the part of it steps waited for after their forward.
     mask_us: f64,
     wait_us: f64,
+    /// Mean wall time of the steps that carried no prompt rows.
+    step_ms: f64,
     acceptance: f64,
     prompt_tps: f64,
     kv: u64,
@@ -631,7 +633,7 @@ pub fn engine(
     let json_spec = tern::runtime::constraint::GrammarSpec::JsonSchema(schema);
     let mut rows = Vec::new();
     println!(
-        "{:<8} {:>7} {:>6} {:>8} {:>8} {:>14} {:>9} {:>12} {:>9} {:>10} {:>10} {:>12} {:>10} {:>10} {:>12} {:>12}",
+        "{:<8} {:>7} {:>6} {:>8} {:>8} {:>14} {:>9} {:>12} {:>9} {:>10} {:>9} {:>10} {:>10} {:>12} {:>10} {:>10} {:>12} {:>12}",
         "backend",
         "streams",
         "V",
@@ -640,6 +642,8 @@ pub fn engine(
         "decode t/s",
         "vs plain",
         "cpu ms/tok",
+        "vs plain",
+        "step ms",
         "vs plain",
         "mask us/t",
         "wait us/t",
@@ -736,6 +740,10 @@ pub fn engine(
                             m0.grammar_wait_seconds_total,
                             m1.grammar_wait_seconds_total,
                         ),
+                        step_ms: (m1.decode_only_seconds_total - m0.decode_only_seconds_total)
+                            * 1e3
+                            / (m1.decode_only_steps_total - m0.decode_only_steps_total).max(1)
+                                as f64,
                         acceptance: (spec.accepted - before.accepted) as f64
                             / drafted.max(1) as f64,
                         prompt_tps,
@@ -748,7 +756,7 @@ pub fn engine(
                 // its median run, and the schema's cost is the median of its ratio to the
                 // unconstrained run of the same round: the box is shared (and its VM loses CPU
                 // to steal), so only runs seconds apart compare the grammar rather than the load.
-                let best = |e: &Engine| -> Result<Vec<(Run, f64, f64)>> {
+                let best = |e: &Engine| -> Result<Vec<(Run, f64, f64, f64)>> {
                     let mut runs: Vec<Vec<Run>> = vec![Vec::new(); variants.len()];
                     for _ in 0..rounds.max(1) {
                         for (k, &constrained) in variants.iter().enumerate() {
@@ -774,11 +782,17 @@ pub fn engine(
                                 cpu_ms: mid(&|r| r.cpu_ms),
                                 mask_us: mid(&|r| r.mask_us),
                                 wait_us: mid(&|r| r.wait_us),
+                                step_ms: mid(&|r| r.step_ms),
                                 acceptance: mid(&|r| r.acceptance),
                                 prompt_tps: mid(&|r| r.prompt_tps),
                                 ..runs[k][0]
                             };
-                            (r, paired(&|r| r.tps), paired(&|r| r.cpu_ms))
+                            (
+                                r,
+                                paired(&|r| r.tps),
+                                paired(&|r| r.cpu_ms),
+                                paired(&|r| r.step_ms),
+                            )
                         })
                         .collect())
                 };
@@ -795,12 +809,15 @@ pub fn engine(
                     }
                 };
                 let mib = |b: u64| b as f64 / (1 << 20) as f64;
-                for (&constrained, &(r, tps_ratio, cpu_ratio)) in variants.iter().zip(&results) {
+                for (&constrained, &(r, tps_ratio, cpu_ratio, step_ratio)) in
+                    variants.iter().zip(&results)
+                {
                     let Run {
                         tps,
                         cpu_ms,
                         mask_us,
                         wait_us,
+                        step_ms,
                         acceptance: acc,
                         prompt_tps: ptps,
                         kv: kvb,
@@ -808,7 +825,7 @@ pub fn engine(
                         compute: cb,
                     } = r;
                     println!(
-                        "{:<8} {:>7} {:>6} {:>8} {:>8} {:>14.2} {:>9} {:>12.3} {:>9} {:>10.1} {:>10.1} {:>12} {:>10.1} {:>10.2} {:>12.2} {:>12.2}",
+                        "{:<8} {:>7} {:>6} {:>8} {:>8} {:>14.2} {:>9} {:>12.3} {:>9} {:>10.3} {:>9} {:>10.1} {:>10.1} {:>12} {:>10.1} {:>10.2} {:>12.2} {:>12.2}",
                         backend,
                         parallel,
                         v.name(),
@@ -823,6 +840,12 @@ pub fn engine(
                         cpu_ms,
                         if constrained {
                             format!("{cpu_ratio:.3}")
+                        } else {
+                            "-".into()
+                        },
+                        step_ms,
+                        if constrained {
+                            format!("{step_ratio:.3}")
                         } else {
                             "-".into()
                         },
@@ -842,6 +865,7 @@ pub fn engine(
                         "decode_tps_aggregate": tps, "vs_unconstrained": if constrained { json!(tps_ratio) } else { json!(null) },
                         "cpu_ms_per_token": cpu_ms, "cpu_vs_unconstrained": if constrained { json!(cpu_ratio) } else { json!(null) },
                         "grammar_mask_us_per_token": mask_us, "grammar_wait_us_per_token": wait_us, "rounds": rounds,
+                        "decode_step_ms": step_ms, "decode_step_vs_unconstrained": if constrained { json!(step_ratio) } else { json!(null) },
                         "acceptance": acc, "prompt_tps": ptps,
                         "kv_bytes_allocated": kvb, "state_bytes_allocated": rcb, "compute_bytes_allocated": cb}));
                 }
