@@ -16,9 +16,10 @@ use tern::tensor::GgmlType;
 
 use crate::bench::{load_average, median, prompt};
 
-fn config(parallel: usize, spec: Option<SpecConfig>) -> EngineConfig {
+/// Each slot's window: 1,024 positions, or the whole of a longer prompt and its decode.
+fn config(parallel: usize, slot_ctx: usize, spec: Option<SpecConfig>) -> EngineConfig {
     EngineConfig {
-        ctx_size: 1024 * parallel,
+        ctx_size: slot_ctx.max(1024) * parallel,
         parallel,
         ubatch: 512,
         kv_types: KvTypes {
@@ -38,6 +39,7 @@ fn start<B: Backend + 'static>(
     be: B,
     g: &Arc<tern::gguf::Gguf>,
     parallel: usize,
+    slot_ctx: usize,
     spec: Option<SpecConfig>,
 ) -> Result<Engine>
 where
@@ -45,18 +47,25 @@ where
 {
     let tok = Arc::new(tern::tokenizer::Tokenizer::from_gguf(g)?);
     let m = tern::plan::boot::load_model(&be, g.clone(), &[], spec.is_some())?;
-    Ok(Engine::start(m, be, tok, config(parallel, spec))?)
+    Ok(Engine::start(m, be, tok, config(parallel, slot_ctx, spec))?)
 }
 
 fn start_on(
     backend: &str,
     g: &Arc<tern::gguf::Gguf>,
     parallel: usize,
+    slot_ctx: usize,
     spec: Option<SpecConfig>,
 ) -> Result<Engine> {
     match backend {
-        "wgpu" => start(tern::backend::wgpu::WgpuBackend::new()?, g, parallel, spec),
-        _ => start(CpuBackend::int8(), g, parallel, spec),
+        "wgpu" => start(
+            tern::backend::wgpu::WgpuBackend::new()?,
+            g,
+            parallel,
+            slot_ctx,
+            spec,
+        ),
+        _ => start(CpuBackend::int8(), g, parallel, slot_ctx, spec),
     }
 }
 
@@ -120,10 +129,10 @@ pub fn round_costs(file: &Path, backend: &str, decode: usize, rounds: usize) -> 
         return Err(anyhow!("{} has no MTP block to draft with", file.display()));
     }
     let depths = [1usize, 2, 3];
-    let plain_engine = start_on(backend, &g, 1, None)?;
+    let plain_engine = start_on(backend, &g, 1, 0, None)?;
     let engines = depths
         .iter()
-        .map(|&d| start_on(backend, &g, 1, Some(fixed(d))))
+        .map(|&d| start_on(backend, &g, 1, 0, Some(fixed(d))))
         .collect::<Result<Vec<_>>>()?;
     let (mut plain, mut draft, mut verify) = (Vec::new(), vec![Vec::new(); 3], vec![Vec::new(); 3]);
     for round in 0..4 * rounds {
@@ -205,7 +214,7 @@ pub fn llama_table_rows(file: &Path, prompt_tokens: usize, decode: usize) -> Res
         }
         eprintln!("tern {label} on {} ...", file.display());
         let drafting = spec.is_some();
-        let e = start_on("cpu", &g, streams, spec)?;
+        let e = start_on("cpu", &g, streams, prompt_tokens + decode + 16, spec)?;
         let (tps, ptps, _) = run(&e, streams, prompt_tokens, decode)?;
         out.push(
             json!({"engine": "tern", "backend": label, "streams": streams,
