@@ -510,15 +510,7 @@ impl Sampler {
         let mut cands = if c.top_k > 0 && c.top_n_sigma <= 0.0 && c.mirostat == 0 {
             top_k_scan(l, c.top_k)
         } else {
-            l.iter()
-                .enumerate()
-                .filter(|(_, &x)| x > f32::NEG_INFINITY)
-                .map(|(i, &x)| Cand {
-                    id: i as u32,
-                    logit: x,
-                    p: 0.0,
-                })
-                .collect()
+            candidates(l)
         };
         if cands.is_empty() {
             // Everything is banned: llama.cpp would draw from nothing; take the raw argmax of
@@ -741,6 +733,19 @@ fn top_k(c: &mut Vec<Cand>, k: usize) {
 /// set, in the same order), in one pass: entries are kept while they can still be among the k
 /// best, and the buffer is cut back to k whenever it reaches `4k`. Ids rise along the scan, so
 /// once cut, an entry that only ties the k-th logit loses the tie and is never kept.
+/// Every entry of `row` that is not -inf, as a candidate.
+fn candidates(row: &[f32]) -> Vec<Cand> {
+    row.iter()
+        .enumerate()
+        .filter(|(_, &x)| x > f32::NEG_INFINITY)
+        .map(|(i, &x)| Cand {
+            id: i as u32,
+            logit: x,
+            p: 0.0,
+        })
+        .collect()
+}
+
 fn top_k_scan(row: &[f32], k: usize) -> Vec<Cand> {
     let cap = 4 * k.max(16);
     let mut buf: Vec<Cand> = Vec::with_capacity(cap + 1);
@@ -935,16 +940,7 @@ mod tests {
                     _ => (next() % levels) as f32 * 0.25 - 3.0,
                 })
                 .collect();
-            let mut full: Vec<Cand> = row
-                .iter()
-                .enumerate()
-                .filter(|(_, &x)| x > f32::NEG_INFINITY)
-                .map(|(i, &x)| Cand {
-                    id: i as u32,
-                    logit: x,
-                    p: 0.0,
-                })
-                .collect();
+            let mut full = candidates(&row);
             top_k(&mut full, k);
             let fast = top_k_scan(&row, k);
             let ids = |c: &[Cand]| {

@@ -340,11 +340,7 @@ fn main() -> Result<()> {
                 }
             }
             if o.files.is_empty() {
-                let d = root.join("fixtures/bench");
-                o.files = ["bench-0.8b-q8_0.gguf", "bench-0.8b-pq2_0.gguf"]
-                    .iter()
-                    .map(|f| d.join(f))
-                    .collect();
+                o.files = default_bench_files(&root);
             }
             bench::run_prompt_lengths(&root, &mut o, &prompts)
         }
@@ -571,11 +567,16 @@ fn bench_depth_cli(root: &std::path::Path, args: &[String], at: usize) -> Result
         }
     }
     if o.files.is_empty() {
-        let d = root.join("fixtures/bench");
-        o.files = ["bench-0.8b-q8_0.gguf", "bench-0.8b-pq2_0.gguf"]
-            .iter()
-            .map(|f| d.join(f))
-            .collect();
+        o.files = default_bench_files(root);
     }
     bench_depth::run(root, &o)
+}
+
+/// The bench files `cargo xtask fixtures --bench` writes, when no file is named.
+fn default_bench_files(root: &std::path::Path) -> Vec<PathBuf> {
+    let d = root.join("fixtures/bench");
+    ["bench-0.8b-q8_0.gguf", "bench-0.8b-pq2_0.gguf"]
+        .iter()
+        .map(|f| d.join(f))
+        .collect()
 }
