@@ -506,7 +506,6 @@ impl Sampler {
         // top-k is the chain's first cut unless top-n-sigma or mirostat must see every
         // candidate: then one pass over the row keeps the k best instead of building and
         // selecting a candidate per vocabulary entry.
-        let c = &self.cfg;
         let mut cands = if c.top_k > 0 && c.top_n_sigma <= 0.0 && c.mirostat == 0 {
             top_k_scan(l, c.top_k)
         } else {
