@@ -728,10 +728,6 @@ fn top_k(c: &mut Vec<Cand>, k: usize) {
     sort_desc(c);
 }
 
-/// The candidates `top_k(k)` leaves of a row's finite entries above `-inf`, exactly (the same
-/// set, in the same order), in one pass: entries are kept while they can still be among the k
-/// best, and the buffer is cut back to k whenever it reaches `4k`. Ids rise along the scan, so
-/// once cut, an entry that only ties the k-th logit loses the tie and is never kept.
 /// Every entry of `row` that is not -inf, as a candidate.
 fn candidates(row: &[f32]) -> Vec<Cand> {
     row.iter()
@@ -745,8 +741,17 @@ fn candidates(row: &[f32]) -> Vec<Cand> {
         .collect()
 }
 
+/// The candidates `top_k(k)` leaves of a row's finite entries above `-inf`, exactly (the same
+/// set, in the same order), in one pass: entries are kept while they can still be among the k
+/// best, and the buffer is cut back to k whenever it reaches `4k`. Ids rise along the scan, so
+/// once cut, an entry that only ties the k-th logit loses the tie and is never kept.
+/// The buffer never holds more than the row: `k` comes from the request, and a `top_k` of
+/// 10^10 once asked this for a 100 GB buffer.
 fn top_k_scan(row: &[f32], k: usize) -> Vec<Cand> {
-    let cap = 4 * k.max(16);
+    if k >= row.len() {
+        return candidates(row);
+    }
+    let cap = k.max(16).saturating_mul(4).min(row.len());
     let mut buf: Vec<Cand> = Vec::with_capacity(cap + 1);
     let mut floor = f32::NEG_INFINITY;
     let mut cut = false;
@@ -932,6 +937,11 @@ mod tests {
             (30, 40, 5),
             (1000, 40, 3),
             (200_000, 40, 100_000),
+            // 4k past the row, k past the row, and k from a request that asked for 2^31.
+            (100, 30, 5),
+            (100, 99, 5),
+            (64, 1 << 31, 5),
+            (64, usize::MAX / 2, 5),
         ] {
             let row: Vec<f32> = (0..n)
                 .map(|_| match next() % 97 {
@@ -957,6 +967,25 @@ mod tests {
             Sampler::new(SamplerConfig::greedy()).sample(&[0.1, 2.0, -1.0, 2.0]),
             1
         );
+    }
+
+    /// A request's top_k past the vocabulary is no cut at all (the fuzzer's 2^31 once aborted
+    /// the server on a 100 GB allocation).
+    #[test]
+    fn a_top_k_past_the_vocabulary_draws_as_no_cut() {
+        let logits = [0.1f32, 2.0, -1.0, 1.9];
+        for k in [4usize, 5, 1 << 31, usize::MAX] {
+            let c = |top_k| SamplerConfig {
+                seed: 5,
+                top_k,
+                ..cfg(1.0)
+            };
+            assert_eq!(
+                draws(c(k), &logits, 50),
+                draws(c(0), &logits, 50),
+                "top_k {k}"
+            );
+        }
     }
 
     #[test]
