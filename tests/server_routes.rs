@@ -722,6 +722,21 @@ fn drafting_and_reasoning_off() {
             "{m}"
         );
     }
+    // The adaptive depth's inputs, measured by the engine: a draft step, and decode steps
+    // by their rows (a verify of up to n_max + 1 rows).
+    let value = |prefix: &str| -> Vec<f64> {
+        m.lines()
+            .filter_map(|l| l.strip_prefix(prefix))
+            .map(|v| v.rsplit(' ').next().unwrap().parse().unwrap())
+            .collect()
+    };
+    let draft = value("tern:draft_step_seconds ");
+    assert!(draft.len() == 1 && draft[0] > 0.0, "{m}");
+    let steps = value("tern:decode_step_seconds{rows=");
+    assert!(
+        !steps.is_empty() && steps.len() <= 3 && steps.iter().all(|&s| s > 0.0),
+        "{m}"
+    );
     h.stop().unwrap();
 }
 
