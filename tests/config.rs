@@ -577,3 +577,31 @@ fn image_token_limits_from_every_source() {
         "{e}"
     );
 }
+
+/// `--spec-adaptive false` (or `spec-adaptive: false` in the file) drafts n-max every step, as
+/// llama.cpp does; the default adapts each slot's depth.
+#[test]
+fn spec_adaptive_turns_the_adaptive_draft_depth_off() {
+    for (s, want) in [
+        (flags(&["--spec-type", "draft-mtp"]), true),
+        (
+            flags(&["--spec-type", "draft-mtp", "--spec-adaptive", "false"]),
+            false,
+        ),
+        (
+            flags(&["--spec-type", "draft-mtp", "--spec-adaptive"]),
+            true,
+        ),
+        (
+            parse("spec-type: draft-mtp\nspec-adaptive: false\n").unwrap(),
+            false,
+        ),
+    ] {
+        let cfg = tern::plan::boot::engine_config(&s.shape(), &s);
+        assert_eq!(cfg.spec.map(|c| c.adaptive), Some(want), "{s:?}");
+    }
+    assert!(matches!(
+        parse("spec-adaptive: maybe\n"),
+        Err(e) if e.to_string().contains("spec-adaptive")
+    ));
+}

@@ -501,6 +501,12 @@ pub struct Settings {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub spec_draft_p_min: Option<f32>,
+    /// Adapt each slot's draft depth to its measured acceptance and step costs, down to plain
+    /// decoding when drafting does not pay (default true; false drafts n-max every step, as
+    /// llama.cpp does).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spec_adaptive: Option<bool>,
     /// Draft (MTP) K cache dtype (-ctkd; default f16).
     #[arg(long, value_enum)]
     #[serde(skip_serializing_if = "Option::is_none")]

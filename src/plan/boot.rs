@@ -525,7 +525,7 @@ pub fn engine_config(shape: &Shape, s: &crate::config::Settings) -> EngineConfig
             n_max: shape.draft_n_max as usize,
             n_min: s.spec_draft_n_min.unwrap_or(0) as usize,
             p_min: s.spec_draft_p_min.unwrap_or(0.0),
-            adaptive: true,
+            adaptive: s.spec_adaptive.unwrap_or(true),
         });
     EngineConfig {
         ctx_size: shape.ctx_size as usize,
