@@ -68,13 +68,21 @@ pub(crate) fn median(mut v: Vec<f64>) -> f64 {
 fn bench_tern<B: Backend>(be: &B, label: &str, path: &Path, o: &Options) -> Result<Value> {
     let m = Model::open(be, path).with_context(|| format!("loading {}", path.display()))?;
     let p = prompt(o.prompt_tokens);
-    let (mut pre, mut dec) = (Vec::new(), Vec::new());
+    // A prefill left out of the figures first, as llama-bench does (its warm-up prompt run):
+    // the first pass pages the mapped weights in and grows the allocator's arenas.
+    {
+        let mut st = m.new_state(be);
+        let out = m.forward(be, &mut st, &p, false)?;
+        let _ = be.argmax_rows(&out.logits);
+    }
+    let (mut pre, mut pre_cpu, mut dec) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..o.runs {
         let mut st = m.new_state(be);
-        let t0 = Instant::now();
+        let (t0, c0) = (Instant::now(), cpu_ns());
         let out = m.forward(be, &mut st, &p, false)?;
         let _ = be.argmax_rows(&out.logits);
         let t1 = Instant::now();
+        pre_cpu.push(cpu_ns().saturating_sub(c0) as f64 / 1e9);
         let last = p[p.len() - 1];
         for i in 0..o.decode_tokens {
             let out = m.forward(be, &mut st, &[(last + i as u32) % 200 + 256], false)?;
@@ -92,7 +100,11 @@ fn bench_tern<B: Backend>(be: &B, label: &str, path: &Path, o: &Options) -> Resu
         "backend": label,
         "threads": rayon::current_num_threads(),
         "prefill_tokens": o.prompt_tokens,
-        "prefill_tps": median(pre),
+        "prefill_tps": median(pre.clone()),
+        "prefill_tps_runs": pre,
+        // CPU seconds of every thread per prefill: on a shared machine, the work without
+        // the waits for a core.
+        "prefill_cpu_s_runs": pre_cpu,
         "decode_tokens": o.decode_tokens,
         "decode_tps": decode_tps,
         "weight_bytes": weight_bytes,
