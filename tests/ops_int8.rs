@@ -199,6 +199,121 @@ fn int8_tiled_product_matches_the_integer_reference_on_every_isa() {
     }
 }
 
+/// Prefill's one-pass quantizer (`TiledActs::quantize`) writes exactly what quantizing then
+/// tiling writes, on every instruction set: rounding ties (levels that land on .5, both signs),
+/// all-zero rows, a block of subnormals (its inverse step overflows), NaN and infinite
+/// elements, partial groups of 16 blocks, 1 to 9 and 63/65/129 rows.
+#[test]
+fn int8_tiled_quantizer_matches_quantize_then_tile_bit_for_bit() {
+    let mut rng = Rng(0x7ab1_e5);
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let (qk, ks): (usize, &[usize]) = match ty {
+            Q8_0 | Q4_0 => (32, &[32, 544, 1120]),
+            _ => (128, &[128, 2176, 4224]),
+        };
+        for &k in ks {
+            for rows in (1..=9).chain([63, 65, 129]) {
+                let mut x = random_acts(&mut rng, rows * k);
+                // A block whose max is 127 steps: every level is x itself, and halves tie.
+                for (j, v) in x[..qk].iter_mut().enumerate() {
+                    *v = if j == 0 {
+                        127.0
+                    } else {
+                        (j as f32 - 64.0) / 2.0
+                    };
+                }
+                if rows > 2 {
+                    let b = &mut x[k..k + qk];
+                    b.iter_mut()
+                        .enumerate()
+                        .for_each(|(j, v)| *v = j as f32 * 1e-44);
+                    x[2 * k] = f32::NAN;
+                }
+                if rows > 3 {
+                    x[3 * k] = f32::INFINITY;
+                    x[3 * k + 1] = -3.0;
+                }
+                let want = TiledActs::new(&QActs::quantize(ty, &x, k));
+                let (wq, wd, wo) = want.contents();
+                for &isa in &int8::isas() {
+                    let got = TiledActs::quantize_isa(ty, &x, k, isa);
+                    let (gq, gd, go) = got.contents();
+                    assert_eq!(gq, wq, "{ty} {isa:?} k={k} rows={rows}: levels");
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(gd), bits(wd), "{ty} {isa:?} k={k} rows={rows}: scales");
+                    assert_eq!(
+                        bits(go),
+                        bits(wo),
+                        "{ty} {isa:?} k={k} rows={rows}: offsets"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// `Panel::decode`'s vector path (gathered from the stored blocks) writes the portable
+/// decoder's panel: every code value, partial groups, one and several rows.
+#[test]
+fn int8_panel_decode_is_the_same_on_every_isa() {
+    let mut rng = Rng(0xdec0de);
+    let (mut want, mut got) = (Panel::default(), Panel::default());
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let ks: &[usize] = match ty {
+            Q8_0 | Q4_0 => &[32, 96, 544, 1120],
+            _ => &[128, 384, 2176, 4224],
+        };
+        for &k in ks {
+            for n_out in [1, 5] {
+                let w = random_rows(&mut rng, ty, k, n_out);
+                want.decode_isa(ty, &w, n_out, k, Isa::Portable);
+                for &isa in &int8::isas() {
+                    got.decode_isa(ty, &w, n_out, k, isa);
+                    let ((gc, gd), (wc, wd)) = (got.contents(), want.contents());
+                    assert_eq!(gc, wc, "{ty} {isa:?} k={k} rows={n_out}: codes");
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(gd),
+                        bits(wd),
+                        "{ty} {isa:?} k={k} rows={n_out}: scales"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The tiled product over prefill-sized windows (63, 65 and 129 activation rows: whole and
+/// partial 4-row tiles after many) agrees with the portable kernel on the same panel.
+#[test]
+fn int8_tiled_product_agrees_with_portable_on_long_windows() {
+    let mut rng = Rng(0x10_4a11);
+    let mut panel = Panel::default();
+    for ty in [Q8_0, PQ2_0] {
+        let k = if ty == Q8_0 { 544 } else { 2176 };
+        let n_out = 7;
+        let w = random_rows(&mut rng, ty, k, n_out);
+        panel.decode(ty, &w, n_out, k);
+        for rows in [63, 65, 129] {
+            let x = random_acts(&mut rng, rows * k);
+            let acts = TiledActs::quantize(ty, &x, k);
+            let mut want = vec![0f32; rows * n_out];
+            int8::gemm_isa(&panel, &acts, 0, rows, &mut want, Isa::Portable);
+            for &isa in &int8::isas() {
+                let mut got = vec![f32::NAN; rows * n_out];
+                int8::gemm_isa(&panel, &acts, 0, rows, &mut got, isa);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= 1e-4 * w.abs().max(1.0),
+                        "{ty} {isa:?} rows={rows} [{}]: {g} vs {w}",
+                        i
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The rounding of the activations is the only difference from the f32 kernels: each element
 /// moves by at most half its block's step, so `|int8 - f32| <= Σ |w_i| * d_i / 2` (plus f32
 /// rounding), on the quantizers' own rows.

@@ -273,7 +273,7 @@ pub fn dot_portable(row: &[u8], a: &QActs, t: usize) -> f32 {
 }
 
 /// Blocks per group of the tiled layout: the 16 i32 lanes of a 512-bit register.
-const GROUP: usize = 16;
+pub(super) const GROUP: usize = 16;
 
 /// The tiled product's layout of one row (weight codes or activation levels), written by
 /// [`Panel::decode`] and [`TiledActs::new`]: the blocks in groups of [`GROUP`], and within a
@@ -327,6 +327,12 @@ impl Panel {
     /// Decodes `rows` stored rows of `k` elements of type `ty` (`w` holds them back to back),
     /// reusing this panel's buffers.
     pub fn decode(&mut self, ty: GgmlType, w: &[u8], rows: usize, k: usize) {
+        self.decode_isa(ty, w, rows, k, Isa::Avx512Vnni)
+    }
+
+    /// [`Panel::decode`] with the kernels of `isa` at most (the tests check that every path
+    /// writes the same panel).
+    pub fn decode_isa(&mut self, ty: GgmlType, w: &[u8], rows: usize, k: usize, isa: Isa) {
         assert!(supported(ty), "int8::Panel: no integer kernels for {ty}");
         let rb = ty.row_bytes(k as u64).expect("whole blocks") as usize;
         assert_eq!(w.len(), rb * rows, "int8::Panel: {rows} {ty} rows of {k}");
@@ -348,14 +354,25 @@ impl Panel {
             .zip(self.codes.chunks_exact_mut(groups * gb))
             .zip(self.dw.chunks_exact_mut(groups * gs))
         {
+            #[cfg(target_arch = "x86_64")]
+            if super::x86_int8::panel_row(ty, row, nb, codes, dw, isa) {
+                continue;
+            }
             decode_codes(ty, row, c, d);
             interleave_blocks(qk, c, codes);
             pad_blocks(d, dw);
         }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = isa;
     }
 
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    /// The decoded codes and block scales, in the tiled layout (for the tests).
+    pub fn contents(&self) -> (&[u8], &[f32]) {
+        (&self.codes, &self.dw)
     }
 }
 
@@ -373,6 +390,57 @@ pub struct TiledActs {
 }
 
 impl TiledActs {
+    /// `TiledActs::new(&QActs::quantize(ty, x, k))` in one pass, each row on its own task:
+    /// prefill's activations, which the serving path quantizes once per product.
+    pub fn quantize(ty: GgmlType, x: &[f32], k: usize) -> TiledActs {
+        TiledActs::quantize_isa(ty, x, k, Isa::Avx512Vnni)
+    }
+
+    /// [`TiledActs::quantize`] with the kernels of `isa` at most: the same levels, scales and
+    /// zero-point terms bit for bit whichever runs (the rounding is `f32::round`'s).
+    pub fn quantize_isa(ty: GgmlType, x: &[f32], k: usize, isa: Isa) -> TiledActs {
+        #[cfg(target_arch = "x86_64")]
+        if isa >= Isa::Avx512Vnni && super::x86_int8::vnni() {
+            assert!(supported(ty), "TiledActs: no integer kernels for {ty}");
+            let qk = act_block(ty);
+            assert!(
+                k > 0 && k.is_multiple_of(qk) && k.is_multiple_of(ty.block_size()),
+                "TiledActs: {k} columns is not a whole number of {ty} blocks"
+            );
+            assert_eq!(x.len() % k, 0, "TiledActs: input is not whole rows of {k}");
+            let rows = x.len() / k;
+            let groups = (k / qk).div_ceil(GROUP);
+            let (gb, gs) = (GROUP * qk, GROUP);
+            let mut t = TiledActs {
+                ty: Some(ty),
+                k,
+                rows,
+                qs: vec![0; rows * groups * gb],
+                d: vec![0.0; rows * groups * gs],
+                o: vec![0.0; rows * groups * gs],
+            };
+            let (z, interleave) = (
+                zero_point(ty),
+                matches!(ty, GgmlType::PQ2_0 | GgmlType::Q2_0Legacy),
+            );
+            x.par_chunks(k)
+                .zip(t.qs.par_chunks_mut(groups * gb))
+                .zip(
+                    t.d.par_chunks_mut(groups * gs)
+                        .zip(t.o.par_chunks_mut(groups * gs)),
+                )
+                .for_each(|((x, q), (d, o))| {
+                    // SAFETY: VNNI (AVX-512 F and BW) checked above; the row's buffers are
+                    // whole groups of its blocks.
+                    unsafe { super::x86_int8::quantize_tiled_row(qk, z, interleave, x, q, d, o) }
+                });
+            return t;
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = isa;
+        TiledActs::new(&QActs::quantize(ty, x, k))
+    }
+
     pub fn new(a: &QActs) -> TiledActs {
         let qk = act_block(a.ty);
         let nb = a.blocks();
@@ -401,6 +469,11 @@ impl TiledActs {
 
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    /// The levels, scales and zero-point terms, in the tiled layout (for the tests).
+    pub fn contents(&self) -> (&[i8], &[f32], &[f32]) {
+        (&self.qs, &self.d, &self.o)
     }
 }
 

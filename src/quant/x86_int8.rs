@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::int8::{Isa, Panel, QActs, TiledActs, MAX_ROWS};
+use super::int8::{Isa, Panel, QActs, TiledActs, GROUP, MAX_ROWS};
 use super::ptq1_0::POW3;
 use crate::tensor::GgmlType;
 
@@ -356,6 +356,176 @@ unsafe fn tile_vnni<const M: usize, const N: usize>(
         for (n, facc) in facc.iter().enumerate() {
             out[n * ldo + r0 + m] = _mm512_reduce_add_ps(*facc);
         }
+    }
+}
+
+/// Prefill's activations ([`TiledActs::quantize`]): one row, per block of `qk` the scale, the
+/// levels and the zero-point term of `int8::quantize_row` bit for bit, written straight into
+/// the tiled layout (`int8::interleave_blocks`; PQ2_0's levels interleaved within each block
+/// first). The rounding is `f32::round`'s, ties away from zero, not the vector unit's ties to
+/// even; a NaN level is 0 and an infinite one saturates, as Rust's `as i8` has them.
+///
+/// # Safety
+/// AVX-512 F and BW are available; `q`, `d` and `o` hold whole groups of the row's blocks.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn quantize_tiled_row(
+    qk: usize,
+    z: f32,
+    interleave: bool,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    o: &mut [f32],
+) {
+    let nv = qk / 16;
+    let sign = _mm512_set1_epi32(i32::MIN);
+    let (one, half) = (_mm512_set1_ps(1.0), _mm512_set1_ps(0.5));
+    let (lo, hi) = (_mm512_set1_ps(-128.0), _mm512_set1_ps(127.0));
+    let mut lv = [0i8; 128];
+    let mut il = [0i8; 128];
+    for (b, xb) in x.chunks_exact(qk).enumerate() {
+        let xp = xb.as_ptr();
+        // `abs` first: max_ps answers its second operand when one is NaN, so a NaN element is
+        // skipped as `f32::max` skips it.
+        let mut m = _mm512_setzero_ps();
+        for v in 0..nv {
+            m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xp.add(16 * v))), m);
+        }
+        let db = _mm512_reduce_max_ps(m) / 127.0;
+        let id = _mm512_set1_ps(if db > 0.0 { 1.0 / db } else { 0.0 });
+        let mut sum = _mm512_setzero_si512();
+        for v in 0..nv {
+            let y = _mm512_mul_ps(_mm512_loadu_ps(xp.add(16 * v)), id);
+            let y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(y, y), y);
+            let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+            let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_abs_ps(_mm512_sub_ps(y, t)), half);
+            let away = _mm512_castsi512_ps(_mm512_or_si512(
+                _mm512_and_si512(_mm512_castps_si512(y), sign),
+                _mm512_castps_si512(one),
+            ));
+            let r = _mm512_min_ps(_mm512_max_ps(_mm512_mask_add_ps(t, up, t, away), lo), hi);
+            let l = _mm512_cvtps_epi32(r);
+            sum = _mm512_add_epi32(sum, l);
+            _mm_storeu_si128(
+                lv.as_mut_ptr().add(16 * v) as *mut __m128i,
+                _mm512_cvtepi32_epi8(l),
+            );
+        }
+        let src = if interleave {
+            // Position 32s + m takes element 4m + s: byte s of the levels' dword m.
+            for (h, half) in lv.chunks_exact(64).enumerate() {
+                let w = _mm512_loadu_si512(half.as_ptr() as *const _);
+                for s in 0..4 {
+                    let p = _mm512_cvtepi32_epi8(_mm512_srl_epi32(w, _mm_cvtsi32_si128(8 * s)));
+                    let at = il.as_mut_ptr().add(32 * s as usize + 16 * h);
+                    _mm_storeu_si128(at as *mut __m128i, p);
+                }
+            }
+            &il[..]
+        } else {
+            &lv[..qk]
+        };
+        let (g, i) = (b / GROUP, b % GROUP);
+        let base = g * GROUP * qk;
+        for (j, piece) in src.chunks_exact(4).enumerate() {
+            let at = base + (GROUP * j + i) * 4;
+            q[at..at + 4].copy_from_slice(piece);
+        }
+        d[b] = db;
+        o[b] = z * db * _mm512_reduce_add_epi32(sum) as f32;
+    }
+}
+
+/// [`Panel::decode_isa`]'s vector path for one row of Q8_0 or PQ2_0: each group's codes
+/// gathered straight from the stored blocks into the tiled layout (lane `i` of a gather is
+/// block `i`'s 4-byte piece), no scratch row; false for the other types, or without VNNI.
+pub(super) fn panel_row(
+    ty: GgmlType,
+    row: &[u8],
+    nb: usize,
+    codes: &mut [u8],
+    dw: &mut [f32],
+    isa: Isa,
+) -> bool {
+    if isa < Isa::Avx512Vnni || !vnni() {
+        return false;
+    }
+    debug_assert_eq!(row.len(), nb * 34);
+    // SAFETY: AVX-512 checked above; `row` holds `nb` 34-byte blocks and `codes` / `dw` whole
+    // groups of them (`Panel::decode_isa`).
+    unsafe {
+        match ty {
+            GgmlType::Q8_0 => panel_row_q8_0(row, nb, codes, dw),
+            GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => panel_row_pq2_0(row, nb, codes, dw),
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// Lane `i`: the byte offset of block `i` of a group of 34-byte blocks.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn block_offsets34() -> __m512i {
+    _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(34),
+    )
+}
+
+/// The blocks of group `g` present in a row of `nb`, as a gather mask, and the group's first
+/// block.
+#[inline(always)]
+fn group_mask(g: usize, nb: usize) -> __mmask16 {
+    let n = (nb - g * GROUP).min(GROUP);
+    ((1u32 << n) - 1) as __mmask16
+}
+
+/// The 16 f16 scales at the starts of a group's blocks (the masked lanes 0.0), as f32.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn group_scales34(base: *const u8, k: __mmask16, off: __m512i, dw: *mut f32) {
+    let s = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, off, base as _);
+    _mm512_storeu_ps(dw, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(s)));
+}
+
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn panel_row_q8_0(row: &[u8], nb: usize, codes: &mut [u8], dw: &mut [f32]) {
+    let off = block_offsets34();
+    let bias = _mm512_set1_epi8(-128);
+    for g in 0..nb.div_ceil(GROUP) {
+        let k = group_mask(g, nb);
+        let base = row.as_ptr().add(g * GROUP * 34);
+        let out = codes.as_mut_ptr().add(g * GROUP * 32);
+        for j in 0..8 {
+            let idx = _mm512_add_epi32(off, _mm512_set1_epi32(2 + 4 * j as i32));
+            let v = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, idx, base as _);
+            // The codes are the levels biased to unsigned; absent blocks stay 0.
+            let v = _mm512_maskz_xor_epi32(k, v, bias);
+            _mm512_storeu_si512(out.add(64 * j) as *mut _, v);
+        }
+        group_scales34(base, k, off, dw.as_mut_ptr().add(g * GROUP));
+    }
+}
+
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn panel_row_pq2_0(row: &[u8], nb: usize, codes: &mut [u8], dw: &mut [f32]) {
+    let off = block_offsets34();
+    let m3 = _mm512_set1_epi8(3);
+    for g in 0..nb.div_ceil(GROUP) {
+        let k = group_mask(g, nb);
+        let base = row.as_ptr().add(g * GROUP * 34);
+        let out = codes.as_mut_ptr().add(g * GROUP * 128);
+        for m in 0..8 {
+            let idx = _mm512_add_epi32(off, _mm512_set1_epi32(2 + 4 * m as i32));
+            let v = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, idx, base as _);
+            // Code plane s of bytes 4m..4m + 4 is the block's piece 8s + m (activation order).
+            for s in 0..4 {
+                let c = _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(2 * s)), m3);
+                _mm512_storeu_si512(out.add(64 * (8 * s as usize + m)) as *mut _, c);
+            }
+        }
+        group_scales34(base, k, off, dw.as_mut_ptr().add(g * GROUP));
     }
 }
 

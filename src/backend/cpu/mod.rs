@@ -137,10 +137,10 @@ fn product_int8(w: &Weight, x: &[f32], out: &mut Tensor) {
     use quant::int8::{self, QActs, MAX_ROWS};
     let (k, n_out) = (w.ne0, w.rows);
     let n_tok = x.len() / k;
-    let acts = QActs::quantize(w.ty, x, k);
     if n_tok >= int8::tiled_min_rows(w.ty) && int8::gemm_vectorized() {
-        return product_int8_tiled(w, &acts, out);
+        return product_int8_tiled(w, x, out);
     }
+    let acts = QActs::quantize(w.ty, x, k);
     let chunk = int8_row_chunk(w.row_bytes, n_out);
     let dst = gemm::OutPtr(out.data.as_mut_ptr());
     (0..n_out.div_ceil(chunk)).into_par_iter().for_each(|c| {
@@ -182,11 +182,11 @@ const TILED_TOKENS: usize = 64;
 /// `product_int8` for many token rows (prefill, `int8::tiled_min_rows`): each task
 /// decodes `TILED_ROWS` weight rows into a panel of codes and runs the tiled kernel over
 /// panels of `TILED_TOKENS` token rows, writing its columns of `out`.
-fn product_int8_tiled(w: &Weight, acts: &quant::int8::QActs, out: &mut Tensor) {
+fn product_int8_tiled(w: &Weight, x: &[f32], out: &mut Tensor) {
     use quant::int8::{self, Isa, Panel, TiledActs};
     let (k, n_out) = (w.ne0, w.rows);
+    let acts = TiledActs::quantize(w.ty, x, k);
     let n_tok = acts.rows();
-    let acts = TiledActs::new(acts);
     let dst = gemm::OutPtr(out.data.as_mut_ptr());
     (0..n_out.div_ceil(TILED_ROWS))
         .into_par_iter()
