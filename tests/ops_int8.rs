@@ -205,7 +205,7 @@ fn int8_tiled_product_matches_the_integer_reference_on_every_isa() {
 /// elements, partial groups of 16 blocks, 1 to 9 and 63/65/129 rows.
 #[test]
 fn int8_tiled_quantizer_matches_quantize_then_tile_bit_for_bit() {
-    let mut rng = Rng(0x7ab1_e5);
+    let mut rng = Rng(0x007a_b1e5);
     for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
         let (qk, ks): (usize, &[usize]) = match ty {
             Q8_0 | Q4_0 => (32, &[32, 544, 1120]),
@@ -287,7 +287,7 @@ fn int8_panel_decode_is_the_same_on_every_isa() {
 /// partial 4-row tiles after many) agrees with the portable kernel on the same panel.
 #[test]
 fn int8_tiled_product_agrees_with_portable_on_long_windows() {
-    let mut rng = Rng(0x10_4a11);
+    let mut rng = Rng(0x0010_4a11);
     let mut panel = Panel::default();
     for ty in [Q8_0, PQ2_0] {
         let k = if ty == Q8_0 { 544 } else { 2176 };
