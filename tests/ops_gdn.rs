@@ -9,7 +9,7 @@ use common::{assert_close, cpu, weight, Rng};
 use tern::backend::cpu::CpuBackend;
 use tern::backend::gpu::gdn::{gdn_with, read_state, GdnForm};
 use tern::backend::gpu::{Device, GpuBackend};
-use tern::backend::{Backend, GdnParams, GdnWeights, WeightSource};
+use tern::backend::{Backend, GdnParams, GdnSeq, GdnWeights, WeightSource};
 use tern::tensor::GgmlType;
 
 /// Token by token, as the reference, with the same operations per token; only the order of the
@@ -328,4 +328,115 @@ fn recurrent_and_chunked_forms<D: Device>(be: &GpuBackend<D>) {
     }
 }
 
-per_gpu_backend!(gdn_matches_reference, rollback, recurrent_and_chunked_forms);
+/// `gdn_batch` over several sequences at once, some with rollback cells, against each sequence
+/// run alone (a sequence with cells one row at a time, its state copied after each row): the
+/// same outputs, live states and cells, bit for bit. Rows around the chunk sizes (64 on a GPU,
+/// 128 on the CPU), a d that is not a multiple of the CPU's 32-column sweep, spare cells.
+fn gdn_batch_matches_each_alone<B: StateRead>(be: &B) {
+    let mut rng = Rng(23);
+    for (n_k, n_v, d) in [(1, 3, 24), (2, 4, 32)] {
+        let l = layer(&mut rng, n_k, n_v, d);
+        let p = l.p;
+        let w = upload(be, &l);
+        let gw = GdnWeights {
+            conv: &w.conv,
+            dt_bias: &w.dt_bias,
+            ssm_a: &w.ssm_a,
+            norm: &w.norm,
+        };
+        // (rows, cells): plain sequences and verify batches with as many cells as they need
+        // or more.
+        let shape = [(1, 0), (3, 2), (130, 0), (1, 1), (2, 4), (65, 0)];
+        let mut states: Vec<B::Rs> = Vec::new();
+        for (k, _) in shape.iter().enumerate() {
+            // Each sequence carries its own state from a prompt of its own length.
+            let mut rs = be.new_recurrent(&p);
+            run(be, &p, &w, &inputs(&mut rng, &p, 2 + k), &mut rs);
+            states.push(rs);
+        }
+        let xs: Vec<Inputs> = shape
+            .iter()
+            .map(|&(n, _)| inputs(&mut rng, &p, n))
+            .collect();
+        // Each alone.
+        let mut want_out = Vec::new();
+        let mut want_states = Vec::new();
+        let mut want_cells = Vec::new();
+        for ((x, &(n, cells)), rs) in xs.iter().zip(&shape).zip(&states) {
+            let mut st = be.new_recurrent(&p);
+            be.recurrent_copy(rs, &mut st);
+            let mut kept = Vec::new();
+            if cells == 0 {
+                want_out.extend(run(be, &p, &w, x, &mut st));
+            } else {
+                for r in 0..n {
+                    let one = |v: &[f32], w: usize| v[r * w..(r + 1) * w].to_vec();
+                    let row = Inputs {
+                        rows: 1,
+                        mixed: one(&x.mixed, p.conv_dim()),
+                        z: one(&x.z, p.n_v * p.d),
+                        b: one(&x.b, p.n_v),
+                        a: one(&x.a, p.n_v),
+                    };
+                    want_out.extend(run(be, &p, &w, &row, &mut st));
+                    if r + 1 < n {
+                        kept.push(be.state(&st));
+                    }
+                }
+            }
+            want_states.push(be.state(&st));
+            want_cells.push(kept);
+        }
+        // All at once.
+        let cat = |f: &dyn Fn(&Inputs) -> &Vec<f32>| -> Vec<f32> {
+            xs.iter().flat_map(|x| f(x).iter().copied()).collect()
+        };
+        let total: usize = shape.iter().map(|s| s.0).sum();
+        let mixed = be.from_host(&cat(&|x| &x.mixed), total, p.conv_dim());
+        let z = be.from_host(&cat(&|x| &x.z), total, p.n_v * p.d);
+        let b = be.from_host(&cat(&|x| &x.b), total, p.n_v);
+        let a = be.from_host(&cat(&|x| &x.a), total, p.n_v);
+        let mut cells: Vec<Vec<B::Rs>> = shape
+            .iter()
+            .map(|&(_, c)| (0..c).map(|_| be.new_recurrent(&p)).collect())
+            .collect();
+        let mut seqs: Vec<GdnSeq<'_, B::Rs>> = states
+            .iter_mut()
+            .zip(cells.iter_mut())
+            .zip(&shape)
+            .map(|((state, c), &(rows, n))| GdnSeq {
+                rows,
+                state,
+                cells: (n > 0).then_some(&mut c[..]),
+            })
+            .collect();
+        let out = be.to_host(&be.gdn_batch(&p, &mixed, &z, &b, &a, &gw, &mut seqs));
+        let what = format!("gdn_batch n_k {n_k} n_v {n_v} d {d} [{}]", be.name());
+        assert!(out == want_out, "{what}: outputs differ from each alone");
+        for (k, (&(rows, _), rs)) in shape.iter().zip(&states).enumerate() {
+            assert!(
+                be.state(rs) == want_states[k],
+                "{what}: sequence {k} ({rows} rows): live state"
+            );
+            for (r, want) in want_cells[k].iter().enumerate() {
+                assert!(
+                    be.state(&cells[k][r]) == *want,
+                    "{what}: sequence {k}: the cell after row {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn cpu_gdn_batch_matches_each_alone() {
+    gdn_batch_matches_each_alone(&cpu());
+    gdn_batch_matches_each_alone(&CpuBackend::int8());
+}
+
+per_gpu_backend!(
+    gdn_matches_reference,
+    rollback,
+    recurrent_and_chunked_forms,
+    gdn_batch_matches_each_alone
+);

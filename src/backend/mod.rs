@@ -190,6 +190,15 @@ pub struct GdnWeights<'a, W> {
     pub norm: &'a W,
 }
 
+/// One sequence's share of [`Backend::gdn_batch`]: its row count, its live recurrent state and,
+/// for a verify batch, the rollback cells (at least `rows - 1`) that receive the state after
+/// each row but the last.
+pub struct GdnSeq<'a, Rs> {
+    pub rows: usize,
+    pub state: &'a mut Rs,
+    pub cells: Option<&'a mut [Rs]>,
+}
+
 /// What a backend holds for one uploaded weight. `mapped` is the file's own bytes used in
 /// place (the CPU reads the mapping), counted once per tensor however many uses share it;
 /// `owned` is what the backend allocated (device copies, decoded f32 copies, sign tables).
@@ -329,6 +338,48 @@ pub trait Backend: Send + Sync {
         w: &GdnWeights<'_, Self::W>,
         state: &mut Self::Rs,
     ) -> Self::T;
+
+    /// [`Backend::gdn`] over several sequences at once: `mixed`, `z`, `b` and `a` hold every
+    /// sequence's rows, one sequence after another; returns the outputs in the same order. A
+    /// sequence with `cells` (a verify batch) leaves the state after each of its rows but the
+    /// last in those cells, so a rejected suffix rolls back by taking a cell. Backends that run
+    /// the sequences in one pass override this; the default runs them one after another (a
+    /// sequence with cells one row at a time, copying the state after each).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_batch(
+        &self,
+        p: &GdnParams,
+        mixed: &Self::T,
+        z: &Self::T,
+        b: &Self::T,
+        a: &Self::T,
+        w: &GdnWeights<'_, Self::W>,
+        seqs: &mut [GdnSeq<'_, Self::Rs>],
+    ) -> Self::T {
+        if let [s] = seqs {
+            if s.cells.is_none() {
+                return self.gdn(p, mixed, z, b, a, w, s.state);
+            }
+        }
+        let mut outs = Vec::new();
+        let mut at = 0;
+        for s in seqs.iter_mut() {
+            let steps = match s.cells {
+                Some(_) => vec![1; s.rows],
+                None => vec![s.rows],
+            };
+            for (r, n) in steps.into_iter().enumerate() {
+                let part = [mixed, z, b, a].map(|t| self.rows(t, at, n));
+                at += n;
+                let [m, zz, bb, aa] = &part;
+                outs.push(self.gdn(p, m, zz, bb, aa, w, s.state));
+                if let Some(cells) = s.cells.as_deref_mut().filter(|_| r + 1 < s.rows) {
+                    self.recurrent_copy(s.state, &mut cells[r]);
+                }
+            }
+        }
+        self.concat_rows(&outs.iter().collect::<Vec<_>>())
+    }
 
     fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
 

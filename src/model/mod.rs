@@ -4,6 +4,7 @@
 mod config;
 pub mod image;
 pub mod lora;
+pub mod phase;
 mod qwen35;
 pub mod vision;
 pub mod weights;

@@ -1,9 +1,10 @@
 //! The forward recipe of model-qwen35.md §3–§6, once, against the backend ops.
 
 use super::lora::{Mat, Site};
+use super::phase::{self, Phase};
 use super::weights::{AttnWeights, GdnWeights as GdnLayer, Layer, Mixer};
 use super::{Model, ModelError, Output};
-use crate::backend::{Backend, GdnWeights, KvTypes};
+use crate::backend::{Backend, GdnSeq, GdnWeights, KvTypes};
 
 /// Per-sequence state of the trunk: attention KV for full-attention layers, conv + SSM state
 /// for Gated DeltaNet layers, and the next position.
@@ -49,11 +50,13 @@ impl<B: Backend> SeqState<B> {
         Ok(())
     }
 
-    /// Restores every GDN layer to the state after row `t` of the last snapshot batch.
-    pub fn restore_cell(&mut self, be: &B, t: usize) {
-        for (cells, rs) in self.cells.iter().zip(self.rs.iter_mut()) {
-            if let (Some(c), Some(r)) = (cells.get(t), rs.as_mut()) {
-                be.recurrent_copy(c, r);
+    /// Restores every GDN layer to the state after row `t` of the last snapshot batch. The
+    /// cell and the live state trade places: cells are scratch until the next snapshot batch
+    /// writes them, so nothing is copied.
+    pub fn restore_cell(&mut self, t: usize) {
+        for (cells, rs) in self.cells.iter_mut().zip(self.rs.iter_mut()) {
+            if let (Some(c), Some(r)) = (cells.get_mut(t), rs.as_mut()) {
+                std::mem::swap(c, r);
             }
         }
     }
@@ -184,10 +187,12 @@ impl<B: Backend> Model<B> {
             &batch.lora,
         );
         let ap = self.cfg.attn_params();
+        let attn = phase::time(Phase::Attn);
         let o = batch.per_seq(be, &qkv, |i, t| {
             let (kv, pos0, rope) = &mut caches[i];
             be.attention(&ap, t[0], t[1], t[2], &a.q_norm, &a.k_norm, kv, *pos0, rope)
         });
+        drop(attn);
         self.mm(be, at(Mat::O), &a.o, &o, &batch.lora)
     }
 
@@ -223,39 +228,44 @@ impl<B: Backend> Model<B> {
             ssm_a: &g.ssm_a,
             norm: &g.norm,
         };
-        let y = batch.per_seq(be, &proj, |i, t| {
-            let seq = &mut *items[i].seq;
-            let rs = seq.rs[il]
-                .as_mut()
-                .expect("a GDN layer has a recurrent state");
-            if !items[i].snapshot {
-                return be.gdn(&gp, t[0], t[1], t[2], t[3], &w, rs);
-            }
-            let n = batch.spans[i].1;
-            assert!(
-                seq.cells.get(il).is_some_and(|c| c.len() + 1 >= n),
-                "snapshot batch of {n} rows needs {} armed cells",
-                n.saturating_sub(1)
-            );
-            let mut rows = Vec::with_capacity(n);
-            for r in 0..n {
-                let row: Vec<B::T> = t.iter().map(|x| be.rows(x, r, 1)).collect();
-                let rs = seq.rs[il].as_mut().expect("recurrent state");
-                rows.push(be.gdn(&gp, &row[0], &row[1], &row[2], &row[3], &w, rs));
-                if r + 1 < n {
-                    let rs = seq.rs[il].as_ref().expect("recurrent state");
-                    be.recurrent_copy(rs, &mut seq.cells[il][r]);
+        let mut seqs: Vec<GdnSeq<'_, B::Rs>> = items
+            .iter_mut()
+            .zip(&batch.spans)
+            .map(|(it, &(_, rows))| {
+                let seq = &mut *it.seq;
+                let cells = it.snapshot.then(|| {
+                    let armed = seq.cells.get_mut(il).filter(|c| c.len() + 1 >= rows);
+                    let armed = armed.unwrap_or_else(|| {
+                        panic!(
+                            "snapshot batch of {rows} rows needs {} armed cells",
+                            rows - 1
+                        )
+                    });
+                    &mut armed[..]
+                });
+                GdnSeq {
+                    rows,
+                    state: seq.rs[il]
+                        .as_mut()
+                        .expect("a GDN layer has a recurrent state"),
+                    cells,
                 }
-            }
-            be.concat_rows(&rows.iter().collect::<Vec<_>>())
-        });
+            })
+            .collect();
+        let y = {
+            let _t = phase::time(Phase::Gdn);
+            be.gdn_batch(&gp, &proj[0], &proj[1], &proj[2], &proj[3], &w, &mut seqs)
+        };
         self.mm(be, at(Mat::SsmOut), &g.out, &y, &batch.lora)
     }
 
     /// `x += FFN(rmsnorm(x) * post_attention_norm)`.
     fn ffn(&self, be: &B, il: usize, layer: &Layer<B::W>, x: &mut B::T, lora: &RowScales) {
         let at = |m| Site::Layer(il, m);
-        let h = be.rms_norm(x, &layer.post_attn_norm, self.cfg.eps);
+        let h = {
+            let _t = phase::time(Phase::Elementwise);
+            be.rms_norm(x, &layer.post_attn_norm, self.cfg.eps)
+        };
         let gu = self.mm_many(
             be,
             &[
@@ -265,19 +275,19 @@ impl<B: Backend> Model<B> {
             &h,
             lora,
         );
-        let y = self.mm(
-            be,
-            at(Mat::FfnDown),
-            &layer.ffn_down,
-            &be.swiglu(&gu[0], &gu[1]),
-            lora,
-        );
+        let act = {
+            let _t = phase::time(Phase::Elementwise);
+            be.swiglu(&gu[0], &gu[1])
+        };
+        let y = self.mm(be, at(Mat::FfnDown), &layer.ffn_down, &act, lora);
+        let _t = phase::time(Phase::Elementwise);
         be.add_assign(x, &y);
     }
 
     /// `W·x` plus the term of every LoRA adapter that modifies this matmul and is active for
     /// some row (model/lora.rs): `y += s·B(A·x)`, each row at its own sequence's scale.
     fn mm(&self, be: &B, site: Site, w: &B::W, x: &B::T, lora: &RowScales) -> B::T {
+        let _t = phase::time(mm_phase(site));
         let mut y = be.matmul(w, x);
         self.lora_terms(be, site, &mut y, x, lora);
         y
@@ -285,6 +295,7 @@ impl<B: Backend> Model<B> {
 
     /// `mm` of one input by several weights (the fold's transform shared, `matmul_many`).
     fn mm_many(&self, be: &B, ws: &[(Site, &B::W)], x: &B::T, lora: &RowScales) -> Vec<B::T> {
+        let _t = phase::time(mm_phase(ws[0].0));
         let mut ys = be.matmul_many(&ws.iter().map(|w| w.1).collect::<Vec<_>>(), x);
         for (y, (site, _)) in ys.iter_mut().zip(ws) {
             self.lora_terms(be, *site, y, x, lora);
@@ -371,9 +382,15 @@ impl<B: Backend> Model<B> {
     ) -> Result<Vec<Output<B::T>>, ModelError> {
         let batch = self.batch(items)?;
         let eps = self.cfg.eps;
-        let mut x = self.input_rows(be, items, &batch);
+        let mut x = {
+            let _t = phase::time(Phase::Elementwise);
+            self.input_rows(be, items, &batch)
+        };
         for (il, layer) in self.w.layers.iter().enumerate() {
-            let h = be.rms_norm(&x, &layer.attn_norm, eps);
+            let h = {
+                let _t = phase::time(Phase::Elementwise);
+                be.rms_norm(&x, &layer.attn_norm, eps)
+            };
             let mixed = match &layer.mixer {
                 Mixer::Attn(a) => {
                     let mut caches: Vec<(&mut B::Kv, usize, &[f32])> = items
@@ -390,7 +407,10 @@ impl<B: Backend> Model<B> {
                 }
                 Mixer::Gdn(g) => self.gdn_mixer(be, g, &h, &batch, items, il),
             };
-            be.add_assign(&mut x, &mixed);
+            {
+                let _t = phase::time(Phase::Elementwise);
+                be.add_assign(&mut x, &mixed);
+            }
             self.ffn(be, il, layer, &mut x, &batch.lora);
         }
         for (it, &(_, n)) in items.iter_mut().zip(&batch.spans) {
@@ -401,9 +421,13 @@ impl<B: Backend> Model<B> {
         }
         // h_nextn for the rows each sequence wants, logits for the rows it wants them for.
         let picks = batch.picks(items);
-        let x = picks.gather_h(be, x);
-        let h = be.rms_norm(&x, &self.w.output_norm, eps);
-        let hl = picks.gather_logits(be, &h);
+        let (h, hl) = {
+            let _t = phase::time(Phase::Elementwise);
+            let x = picks.gather_h(be, x);
+            let h = be.rms_norm(&x, &self.w.output_norm, eps);
+            let hl = picks.gather_logits(be, &h);
+            (h, hl)
+        };
         let lora = RowScales::new(
             self.adapters.len(),
             items.iter().map(|it| it.seq.lora.as_slice()),
@@ -416,6 +440,7 @@ impl<B: Backend> Model<B> {
             hl.as_ref().unwrap_or(&h),
             &lora,
         );
+        let _t = phase::time(Phase::Elementwise);
         Ok(picks.split(be, logits, h))
     }
 
@@ -620,6 +645,17 @@ impl<B: Backend> Model<B> {
         self.ffn(be, il, &mtp.layer, &mut c, &batch.lora);
         st.pos += tokens.len();
         Ok(c)
+    }
+}
+
+/// The phase a matmul's time counts to.
+fn mm_phase(site: Site) -> Phase {
+    match site {
+        Site::Layer(_, Mat::Q | Mat::K | Mat::V | Mat::O) => Phase::MmAttn,
+        Site::Layer(_, Mat::FfnGate | Mat::FfnUp | Mat::FfnDown) => Phase::MmFfn,
+        Site::Layer(..) => Phase::MmGdn,
+        Site::Output | Site::MtpHead => Phase::Head,
+        Site::EhProj => Phase::MmAttn,
     }
 }
 

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use crate::backend::{Backend, KvTypes};
 use crate::gguf::Gguf;
+use crate::model::phase;
 use crate::model::vision::{Prepared, Projector, VisionConfig};
 use crate::model::{BatchItem, ImageRows, Model, ModelError};
 use crate::tokenizer::Tokenizer;
@@ -1348,6 +1349,8 @@ impl<B: Backend> Worker<B> {
 
     /// One batched step over every busy slot.
     fn step(&mut self) -> Result<(), EngineError> {
+        let t_step = Instant::now();
+        phase::discard();
         // Cancelled requests free their slots first.
         for i in 0..self.slots.len() {
             let cancelled = self.slots[i]
@@ -1706,7 +1709,8 @@ impl<B: Backend> Worker<B> {
             }
         }
         // A decode-only step's cost by its rows: forward, sampling and MTP fill.
-        if plan.iter().all(|f| !f.prefill) {
+        let decode_only = plan.iter().all(|f| !f.prefill);
+        if decode_only {
             let rows = plan.iter().map(Feed::len).sum();
             let s = t0.elapsed().as_secs_f64();
             self.costs.observe_forward(rows, s);
@@ -1738,6 +1742,11 @@ impl<B: Backend> Worker<B> {
                     let _ = t.tx.send(Event::Error(EngineError::Grammar(e)));
                 }
             }
+        }
+        if decode_only {
+            let rows = plan.iter().map(Feed::len).sum();
+            let drafted = plan.iter().map(|f| f.len() - 1).sum();
+            phase::end_step(rows, drafted, t_step.elapsed().as_nanos() as u64);
         }
         Ok(())
     }

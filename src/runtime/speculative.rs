@@ -10,6 +10,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use crate::backend::{Backend, KvTypes};
+use crate::model::phase::{self, Phase};
 use crate::model::{BatchItem, Model, ModelError, MtpState, Output, SeqState};
 
 use super::constraint::{Constraint, Masks};
@@ -492,6 +493,7 @@ impl<B: Backend> SlotDecoder<B> {
         let Some(m) = self.mtp.as_mut() else {
             return Ok(());
         };
+        let _t = phase::time(Phase::MtpFill);
         // The trunk's h shifted down one row, all on the device.
         let n = tokens.len();
         let hp = if n == 1 {
@@ -535,6 +537,7 @@ impl<B: Backend> SlotDecoder<B> {
         let mut drafts = Vec::new();
         for _ in 0..spec.n_max.min(limit) {
             let t0 = Instant::now();
+            let _t = phase::time(Phase::Draft);
             let out = model.mtp_draft(be, &mut m.state, &[tok], &h)?;
             // Only a p_min test needs the row on the host; otherwise read back the id alone.
             let d = if spec.p_min > 0.0 {
@@ -594,6 +597,7 @@ impl<B: Backend> SlotDecoder<B> {
         let mut produced = Vec::new();
         let mut accepted = 0;
         self.sampled_probs.clear();
+        let sampling = phase::time(Phase::Sample);
         for i in 0..batch.len() {
             let (t, woke) =
                 self.sample_row(be, &out.logits, if rows { i } else { 0 }, n_rows, i)?;
@@ -620,10 +624,12 @@ impl<B: Backend> SlotDecoder<B> {
             self.depth.observe(drafts.len(), accepted);
         }
         self.last = produced.last().copied();
+        drop(sampling);
         let kept = accepted + 1;
         if kept < batch.len() {
+            let _t = phase::time(Phase::Rollback);
             let end = self.seq.pos - batch.len() + kept;
-            self.seq.restore_cell(be, kept - 1);
+            self.seq.restore_cell(kept - 1);
             for kv in self.seq.kv.iter_mut().flatten() {
                 be.kv_truncate(kv, end);
             }

@@ -223,3 +223,102 @@ pub fn llama_table_rows(file: &Path, prompt_tokens: usize, decode: usize) -> Res
     }
     Ok(out)
 }
+
+/// `bench --engine --phases`: where a decode step's time goes, from the engine's phase timers
+/// (`tern::model::phase`): a plain step of one stream, a step of three streams and a draft
+/// round of depth 2 (two MTP steps and a verify of three rows, fixed depth). The three engines
+/// take turns, `rounds` requests of `decode` tokens each; every figure is the median over the
+/// steps of its kind, `other` the median of what the phases leave of a step's wall time.
+pub fn phases(file: &Path, backend: &str, decode: usize, rounds: usize) -> Result<Value> {
+    use tern::model::phase::{self, Phase};
+    let g = Arc::new(tern::gguf::Gguf::open(file)?);
+    let has_mtp = tern::model::Config::from_gguf(&g)?.has_mtp();
+    // (label, streams, drafting, trunk rows and drafts of the steps it times)
+    let mut kinds = vec![
+        ("1 stream", 1, None, (1, 0)),
+        ("3 streams", 3, None, (3, 0)),
+    ];
+    if has_mtp {
+        kinds.push(("depth 2", 1, Some(fixed(2)), (3, 2)));
+    }
+    let engines = kinds
+        .iter()
+        .map(|&(_, n, ref spec, _)| start_on(backend, &g, n, 0, spec.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    phase::enable(true);
+    let mut steps = vec![Vec::new(); kinds.len()];
+    for r in 0..rounds.max(1) {
+        eprintln!("phases {}/{}, {}", r + 1, rounds.max(1), load_average());
+        for (k, e) in engines.iter().enumerate() {
+            run(e, kinds[k].1, 64, decode)?;
+            let want = kinds[k].3;
+            steps[k].extend(
+                phase::take_steps()
+                    .into_iter()
+                    .filter(|s| (s.rows, s.drafted) == want),
+            );
+        }
+    }
+    phase::enable(false);
+    let ms = |v: Vec<f64>| {
+        if v.is_empty() {
+            f64::NAN
+        } else {
+            median(v) * 1e-6
+        }
+    };
+    println!(
+        "\nstep phases on {} ({backend}), medians in ms; {}",
+        file.display(),
+        load_average()
+    );
+    print!("{:<12}", "phase");
+    for (label, ..) in &kinds {
+        print!(" {label:>10}");
+    }
+    println!();
+    let mut table = Vec::new();
+    let mut line = |name: &str, f: &dyn Fn(&phase::StepPhases) -> f64| {
+        let v: Vec<f64> = steps
+            .iter()
+            .map(|s| ms(s.iter().map(f).collect()))
+            .collect();
+        print!("{name:<12}");
+        for x in &v {
+            print!(" {x:>10.3}");
+        }
+        println!();
+        table.push(json!({"phase": name, "ms": v}));
+    };
+    for p in Phase::ALL {
+        line(p.name(), &|s| s.ns[p as usize] as f64);
+    }
+    line("other", &|s| {
+        s.total_ns.saturating_sub(s.ns.iter().sum::<u64>()) as f64
+    });
+    line("step", &|s| s.total_ns as f64);
+    let total: Vec<f64> = steps
+        .iter()
+        .map(|s| ms(s.iter().map(|s| s.total_ns as f64).collect()))
+        .collect();
+    print!("{:<12}", "÷ 1 stream");
+    for t in &total {
+        print!(" {:>10.3}", t / total[0]);
+    }
+    println!();
+    println!(
+        "steps timed: {}",
+        steps
+            .iter()
+            .map(|s| s.len().to_string())
+            .collect::<Vec<_>>()
+            .join(" / ")
+    );
+    Ok(
+        json!({"file": file.display().to_string(), "backend": backend, "decode_tokens": decode,
+        "rounds": rounds, "kinds": kinds.iter().map(|k| k.0).collect::<Vec<_>>(),
+        "steps": steps.iter().map(Vec::len).collect::<Vec<_>>(), "phases": table,
+        "over_one_stream": total.iter().map(|t| t / total[0]).collect::<Vec<_>>(),
+        "load_average_after": load_average()}),
+    )
+}

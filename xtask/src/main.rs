@@ -58,7 +58,7 @@ const USAGE: &str = "usage: cargo xtask <task>
                         image tokens/s of one encode on the CPU, tern vs llama.cpp (mtmd, the
                         Python binding) on the same projector and image (default: the fixtures'
                         tiny-vl model, its Q8_0 projector and the 512 px solid red PNG)
-  bench --engine [--wgpu] [--schema-only] [--draft-rounds] [--decode N] [--rounds N] [FILE]
+  bench --engine [--wgpu] [--schema-only] [--draft-rounds|--phases] [--decode N] [--rounds N] [FILE]
                         the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on
                         (adaptive depth), f16 V under a JSON schema (--schema-only: only f16 V,
                         with and without); each row the median of N rounds (3), the schema's
@@ -66,6 +66,9 @@ const USAGE: &str = "usage: cargo xtask <task>
                         then a draft round's cost per depth 1-3 against a plain step from the
                         engine's timers, with the break-even acceptance, medians of N rounds
                         (--draft-rounds: only that table, to target/bench/draft_rounds.json)
+                        (--phases: where a 1-stream step, a 3-stream step and a depth-2
+                        round spend their time, by the engine's phase timers, medians over
+                        every step of N rounds, to target/bench/phases.json)
   gpu-kit [--out DIR]   build, without a GPU, the kit that checks the cuda and wgpu backends on an
                         NVIDIA machine with no Rust toolchain (default target/gpu-kit; cuda/README.md)
   llama-flags [--arg-cpp FILE]
@@ -304,14 +307,21 @@ fn main() -> Result<()> {
                     "cpu"
                 };
                 let schema_only = rest.iter().any(|a| a.as_str() == "--schema-only");
-                if rest.iter().any(|a| a.as_str() == "--draft-rounds") {
-                    let r = bench_draft::round_costs(&file, backend, decode, rounds)?;
+                let only = [
+                    ("--draft-rounds", "draft_rounds.json"),
+                    ("--phases", "phases.json"),
+                ]
+                .into_iter()
+                .find(|(flag, _)| rest.iter().any(|a| a.as_str() == *flag));
+                if let Some((flag, out)) = only {
+                    let r = if flag == "--phases" {
+                        bench_draft::phases(&file, backend, decode, rounds)?
+                    } else {
+                        bench_draft::round_costs(&file, backend, decode, rounds)?
+                    };
                     let dir = root.join("target/bench");
                     std::fs::create_dir_all(&dir)?;
-                    std::fs::write(
-                        dir.join("draft_rounds.json"),
-                        serde_json::to_string_pretty(&r)?,
-                    )?;
+                    std::fs::write(dir.join(out), serde_json::to_string_pretty(&r)?)?;
                     return Ok(());
                 }
                 return bench::engine(&file, backend, decode, schema_only, rounds);

@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 
 use super::{math, rms_scale, sigmoid, silu, softplus, Recurrent, Tensor};
-use crate::backend::GdnParams;
+use crate::backend::{GdnParams, GdnSeq};
 
 /// Tokens per chunk: the conv output of a chunk stays small (and cached) while the heads scan
 /// it, however long the prompt.
@@ -30,6 +30,10 @@ fn l2_normalize(x: &mut [f32], eps: f32) {
     x.iter_mut().for_each(|v| *v *= scale);
 }
 
+/// One sequence's share of [`gdn_batch`].
+type Seq<'a> = GdnSeq<'a, Recurrent>;
+
+/// The core over one sequence's consecutive rows.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gdn(
     p: &GdnParams,
@@ -40,67 +44,192 @@ pub(super) fn gdn(
     w: &Weights<'_>,
     st: &mut Recurrent,
 ) -> Tensor {
-    let (cd, d, n_tok) = (p.conv_dim(), p.d, mixed.rows);
+    let mut seqs = [Seq {
+        rows: mixed.rows,
+        state: st,
+        cells: None,
+    }];
+    gdn_batch(p, mixed, z, b, a, w, &mut seqs)
+}
+
+/// The core over several sequences' rows at once: each chunk's conv for every sequence in one
+/// parallel loop, then the recurrence of every (sequence, V head) in another, so a decode step
+/// of many streams costs two parallel regions per layer, not two per stream. A sequence with
+/// `cells` runs its rows out of place: row t reads the state row t - 1 left (the live state
+/// for the first) and writes cell t (the live state for the last), so a verify batch keeps
+/// the state after every row without copying one.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gdn_batch(
+    p: &GdnParams,
+    mixed: &Tensor,
+    z: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    w: &Weights<'_>,
+    seqs: &mut [Seq<'_>],
+) -> Tensor {
+    let (cd, d, dd) = (p.conv_dim(), p.d, p.d * p.d);
     assert_eq!(mixed.cols, cd);
-    let mut out = Tensor::zeros(n_tok, p.n_v * d);
-    for t0 in (0..n_tok).step_by(CHUNK) {
-        let t1 = (t0 + CHUNK).min(n_tok);
-        let u = conv_silu_norm(p, mixed, t0..t1, w.conv_taps, &st.conv);
-        // The recurrence and gated norm, one task per V head over the chunk's tokens.
-        let heads: Vec<Vec<f32>> = st
-            .ssm
-            .par_chunks_mut(d * d)
-            .enumerate()
-            .map(|(j, s)| {
-                let mut y = vec![0f32; (t1 - t0) * d];
-                head_scan(p, j, t0, &u, z, b, a, w, s, &mut y);
-                y
+    let total: usize = seqs.iter().map(|s| s.rows).sum();
+    assert_eq!(
+        mixed.rows, total,
+        "gdn: the sequences' rows are the inputs' rows"
+    );
+    let starts: Vec<usize> = seqs
+        .iter()
+        .scan(0, |at, s| {
+            let r = *at;
+            *at += s.rows;
+            Some(r)
+        })
+        .collect();
+    for s in seqs.iter() {
+        if let Some(c) = &s.cells {
+            assert!(
+                c.len() + 1 >= s.rows,
+                "snapshot batch of {} rows needs {} cells, has {}",
+                s.rows,
+                s.rows.saturating_sub(1),
+                c.len()
+            );
+        }
+    }
+    let n_rows: Vec<usize> = seqs.iter().map(|s| s.rows).collect();
+    let out_of_place: Vec<bool> = seqs.iter().map(|s| s.cells.is_some()).collect();
+    // Each task owns one V head's slice of a sequence's buffers: [live, cell 0, cell 1, ..].
+    struct Task<'s> {
+        seq: usize,
+        j: usize,
+        bufs: Vec<&'s mut [f32]>,
+    }
+    let mut tasks: Vec<Task<'_>> = Vec::with_capacity(seqs.len() * p.n_v);
+    let mut convs: Vec<&[f32]> = Vec::with_capacity(seqs.len());
+    let mut conv_new: Vec<Vec<Vec<f32>>> = Vec::with_capacity(seqs.len());
+    for (i, s) in seqs.iter_mut().enumerate() {
+        // The conv states after each row that needs one (the cells' rows, then the last),
+        // from the carried state before it is overwritten.
+        let x = |k: usize| conv_input(p, &s.state.conv, mixed, starts[i], k);
+        let kept: Vec<usize> = match &s.cells {
+            Some(_) => (1..=s.rows).collect(),
+            None => vec![s.rows],
+        };
+        conv_new.push(
+            kept.iter()
+                .map(|&n| (n..n + p.d_conv - 1).flat_map(x).copied().collect())
+                .collect(),
+        );
+        let mut heads: Vec<Vec<&mut [f32]>> = (0..p.n_v).map(|_| Vec::new()).collect();
+        let live = s.state.ssm.chunks_exact_mut(dd);
+        let cells = s.cells.iter_mut().flat_map(|c| c.iter_mut());
+        let cell_heads = cells.flat_map(|c| c.ssm.chunks_exact_mut(dd).enumerate());
+        for (j, h) in live.enumerate().chain(cell_heads) {
+            heads[j].push(h);
+        }
+        tasks.extend(
+            heads
+                .into_iter()
+                .enumerate()
+                .map(|(j, bufs)| Task { seq: i, j, bufs }),
+        );
+        convs.push(&s.state.conv);
+    }
+    let mut out = Tensor::zeros(total, p.n_v * d);
+    let longest = n_rows.iter().copied().max().unwrap_or(0);
+    for t0 in (0..longest).step_by(CHUNK) {
+        // This chunk's rows of each sequence: (sequence, first row, rows, offset in u).
+        let mut parts = Vec::with_capacity(n_rows.len());
+        let mut at = 0;
+        for (i, &n) in n_rows.iter().enumerate() {
+            if t0 < n {
+                let m = (n - t0).min(CHUNK);
+                parts.push((i, t0, m, at));
+                at += m;
+            }
+        }
+        let u = conv_silu_norm(p, mixed, &parts, &starts, at, w.conv_taps, &convs);
+        // The recurrence and gated norm, one task per (sequence, V head) over its rows.
+        let ys: Vec<(usize, usize, Vec<f32>)> = tasks
+            .par_iter_mut()
+            .filter_map(|task| {
+                let &(i, _, m, off) = parts.iter().find(|q| q.0 == task.seq)?;
+                let mut y = vec![0f32; m * d];
+                let rows = Rows {
+                    t0,
+                    base: starts[i],
+                    u: &u[off * cd..(off + m) * cd],
+                    n: n_rows[i],
+                    out_of_place: out_of_place[i],
+                };
+                head_scan(p, task.j, &rows, z, b, a, w, &mut task.bufs, &mut y);
+                Some((starts[i] + t0, task.j, y))
             })
             .collect();
-        for (j, y) in heads.iter().enumerate() {
-            for (t, yt) in (t0..).zip(y.chunks_exact(d)) {
+        for (r0, j, y) in ys {
+            for (t, yt) in (r0..).zip(y.chunks_exact(d)) {
                 out.data[(t * p.n_v + j) * d..][..d].copy_from_slice(yt);
             }
         }
     }
-    // The new conv state: the last d_conv - 1 rows of X = [state; mixed].
-    let mut conv = Vec::with_capacity(st.conv.len());
-    for i in n_tok..n_tok + p.d_conv - 1 {
-        conv.extend_from_slice(conv_input(p, &st.conv, mixed, i));
+    drop(tasks);
+    drop(convs);
+    for (s, mut new) in seqs.iter_mut().zip(conv_new) {
+        let last = new.pop().expect("the last row's conv state");
+        s.state.conv.copy_from_slice(&last);
+        if let Some(cells) = s.cells.as_mut() {
+            for (c, v) in cells.iter_mut().zip(new) {
+                c.conv.copy_from_slice(&v);
+            }
+        }
     }
-    st.conv = conv;
     out
 }
 
-/// Row `i` of the conv input X: the carried state rows, then the `mixed` rows.
-fn conv_input<'a>(p: &GdnParams, state: &'a [f32], mixed: &'a Tensor, i: usize) -> &'a [f32] {
+/// Row `i` of the conv input X of the sequence whose rows start at `base` in `mixed`: the
+/// carried state rows, then its `mixed` rows.
+fn conv_input<'a>(
+    p: &GdnParams,
+    state: &'a [f32],
+    mixed: &'a Tensor,
+    base: usize,
+    i: usize,
+) -> &'a [f32] {
     let (cd, kw1) = (p.conv_dim(), p.d_conv - 1);
     if i < kw1 {
         &state[i * cd..(i + 1) * cd]
     } else {
-        mixed.row(i - kw1)
+        mixed.row(base + i - kw1)
     }
 }
 
-/// `u[t] = silu(conv(X)[t])` for the batch rows `tokens`, with q and k heads L2-normalised and q
-/// scaled by `1/sqrt(d)`, where X is the carried `d_conv - 1` raw inputs followed by the
-/// `mixed` rows.
+/// `u[t] = silu(conv(X)[t])` for the rows `parts` name (`(sequence, first row, rows, offset in
+/// u)`, `total` rows in all), with q and k heads L2-normalised and q scaled by `1/sqrt(d)`,
+/// where X is a sequence's carried `d_conv - 1` raw inputs followed by its `mixed` rows.
 fn conv_silu_norm(
     p: &GdnParams,
     mixed: &Tensor,
-    tokens: std::ops::Range<usize>,
+    parts: &[(usize, usize, usize, usize)],
+    starts: &[usize],
+    total: usize,
     taps: &[f32],
-    state: &[f32],
+    states: &[&[f32]],
 ) -> Vec<f32> {
     let (cd, d, kw) = (p.conv_dim(), p.d, p.d_conv);
     let q_scale = 1.0 / (d as f32).sqrt();
     let heads = cd / d; // n_k q heads, n_k k heads, n_v v heads
-    let mut u = vec![0f32; tokens.len() * cd];
-    // One task per (token, head): the conv, SiLU and that head's norm.
+    let mut u = vec![0f32; total * cd];
+    // Which part each row of u belongs to.
+    let part_of: Vec<usize> = parts
+        .iter()
+        .enumerate()
+        .flat_map(|(k, q)| std::iter::repeat_n(k, q.2))
+        .collect();
+    // One task per (row, head): the conv, SiLU and that head's norm.
     u.par_chunks_mut(d).enumerate().for_each(|(i, o)| {
-        let (t, h) = (tokens.start + i / heads, i % heads);
+        let (r, h) = (i / heads, i % heads);
+        let (s, first, _, off) = parts[part_of[r]];
+        let t = first + r - off;
         let cols = h * d..(h + 1) * d;
-        let x = |k: usize| &conv_input(p, state, mixed, t + k)[cols.clone()];
+        let x = |k: usize| &conv_input(p, states[s], mixed, starts[s], t + k)[cols.clone()];
         let tap = |k: usize| &taps[k * cd..(k + 1) * cd][cols.clone()];
         // c = w[kw-1]·x[t] + Σ_{k<kw-1} w[k]·x[t-(kw-1)+k], then SiLU.
         for ((o, &wk), &xv) in o.iter_mut().zip(tap(kw - 1)).zip(x(kw - 1)) {
@@ -122,27 +251,38 @@ fn conv_silu_norm(
     u
 }
 
-/// V head `j` over the batch rows `t0..t0 + y.len() / d` (whose conv outputs are `u`): the
-/// delta rule on its state `s` (`S[i][j']`, j' fastest), then the gated RMSNorm, into `y`.
+/// The rows one scan task runs: rows `t0..t0 + y.len() / d` of a sequence of `n` rows whose
+/// first row is row `base` of the inputs, with their conv outputs `u`; `out_of_place` when the
+/// sequence keeps the state after each row (see [`gdn_batch`]).
+struct Rows<'a> {
+    t0: usize,
+    base: usize,
+    u: &'a [f32],
+    n: usize,
+    out_of_place: bool,
+}
+
+/// V head `j` over `rows`: the delta rule on its state (`S[i][j']`, j' fastest; `bufs` is
+/// the head's slice of the live state, then of each rollback cell), then the gated RMSNorm,
+/// into `y`.
 #[allow(clippy::too_many_arguments)]
 fn head_scan(
     p: &GdnParams,
     j: usize,
-    t0: usize,
-    u: &[f32],
+    rows: &Rows<'_>,
     z: &Tensor,
     b: &Tensor,
     a: &Tensor,
     w: &Weights<'_>,
-    s: &mut [f32],
+    bufs: &mut [&mut [f32]],
     y: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         // SAFETY: the features are present.
-        return unsafe { head_scan_fma(p, j, t0, u, z, b, a, w, s, y) };
+        return unsafe { head_scan_fma(p, j, rows, z, b, a, w, bufs, y) };
     }
-    head_scan_body::<false>(p, j, t0, u, z, b, a, w, s, y)
+    head_scan_body::<false>(p, j, rows, z, b, a, w, bufs, y)
 }
 
 /// `head_scan_body` compiled for AVX2 with fused multiply-adds.
@@ -152,16 +292,15 @@ fn head_scan(
 unsafe fn head_scan_fma(
     p: &GdnParams,
     j: usize,
-    t0: usize,
-    u: &[f32],
+    rows: &Rows<'_>,
     z: &Tensor,
     b: &Tensor,
     a: &Tensor,
     w: &Weights<'_>,
-    s: &mut [f32],
+    bufs: &mut [&mut [f32]],
     y: &mut [f32],
 ) {
-    head_scan_body::<true>(p, j, t0, u, z, b, a, w, s, y)
+    head_scan_body::<true>(p, j, rows, z, b, a, w, bufs, y)
 }
 
 /// `a * b + c`, fused when the caller is compiled with FMA.
@@ -174,12 +313,18 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
-/// Columns `c0..c0 + C` of one token's sweep down the rows of `S` (`d` wide):
-/// `S[i] = decay·S[i] + k[i]·δ`, `o = Σ_i S[i]·q[i]`, `kv_next = Σ_i S[i]·k_next[i]`.
+/// Columns `c0..c0 + C` of one token's sweep down the rows of `S` (`d` wide), read from `src`
+/// and written to `dst`: `S[i] = decay·S[i] + k[i]·δ`, `o = Σ_i S[i]·q[i]`,
+/// `kv_next = Σ_i S[i]·k_next[i]`.
+///
+/// # Safety
+/// `src` and `dst` each hold `d * d` values and are the same buffer or disjoint (each element
+/// is read before it is written).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn sweep<const FMA: bool, const C: usize>(
-    s: &mut [f32],
+unsafe fn sweep<const FMA: bool, const C: usize>(
+    src: *const f32,
+    dst: *mut f32,
     d: usize,
     c0: usize,
     decay: f32,
@@ -193,13 +338,14 @@ fn sweep<const FMA: bool, const C: usize>(
     let dl: [f32; C] = delta[c0..c0 + C].try_into().expect("C columns");
     let mut oa = [0f32; C];
     let mut kn = [0f32; C];
-    for (i, srow) in s.chunks_exact_mut(d).enumerate() {
+    for i in 0..d {
         let (ki, qi, kni) = (k[i], q[i], k_next[i]);
-        let row: &mut [f32; C] = (&mut srow[c0..c0 + C]).try_into().expect("C columns");
+        let (from, to) = (src.add(i * d + c0), dst.add(i * d + c0));
         for c in 0..C {
-            row[c] = madd::<FMA>(ki, dl[c], row[c] * decay);
-            oa[c] = madd::<FMA>(row[c], qi, oa[c]);
-            kn[c] = madd::<FMA>(row[c], kni, kn[c]);
+            let v = madd::<FMA>(ki, dl[c], *from.add(c) * decay);
+            *to.add(c) = v;
+            oa[c] = madd::<FMA>(v, qi, oa[c]);
+            kn[c] = madd::<FMA>(v, kni, kn[c]);
         }
     }
     o[c0..c0 + C].copy_from_slice(&oa);
@@ -218,24 +364,37 @@ fn sweep<const FMA: bool, const C: usize>(
 fn head_scan_body<const FMA: bool>(
     p: &GdnParams,
     j: usize,
-    t0: usize,
-    u: &[f32],
+    rows: &Rows<'_>,
     z: &Tensor,
     b: &Tensor,
     a: &Tensor,
     w: &Weights<'_>,
-    s: &mut [f32],
+    bufs: &mut [&mut [f32]],
     y: &mut [f32],
 ) {
     let (cd, d) = (p.conv_dim(), p.d);
     let n_tok = y.len() / d;
+    let u = rows.u;
     let kh = j % p.n_k; // tiled V order
     let q_at = |t: usize| &u[t * cd + kh * d..][..d];
     let k_at = |t: usize| &u[t * cd + (p.n_k + kh) * d..][..d];
     let v_at = |t: usize| &u[t * cd + (2 * p.n_k + j) * d..][..d];
+    // Row t of the sequence reads the state row t - 1 wrote: in place, or (out of place) the
+    // live state for the first row, cell t - 1 after; it writes cell t, the live state last.
+    let src_of = |t: usize| match (rows.out_of_place, t) {
+        (false, _) | (true, 0) => 0,
+        (true, t) => t,
+    };
+    let dst_of = |t: usize| match rows.out_of_place {
+        true if t + 1 < rows.n => t + 1,
+        _ => 0,
+    };
+    for buf in bufs.iter() {
+        assert_eq!(buf.len(), d * d, "a head's state is d x d");
+    }
     // kv = S_oldᵀ k for the first token.
     let mut kv = vec![0f32; d];
-    for (srow, &ki) in s.chunks_exact(d).zip(k_at(0)) {
+    for (srow, &ki) in bufs[src_of(rows.t0)].chunks_exact(d).zip(k_at(0)) {
         for (acc, &sv) in kv.iter_mut().zip(srow) {
             *acc = madd::<FMA>(sv, ki, *acc);
         }
@@ -244,27 +403,63 @@ fn head_scan_body<const FMA: bool>(
     let mut kv_next = vec![0f32; d];
     const COLS: usize = 32;
     for t in 0..n_tok {
-        let beta = sigmoid(b.row(t0 + t)[j]);
-        let decay = (w.ssm_a[j] * softplus(a.row(t0 + t)[j] + w.dt_bias[j])).exp();
+        let (at, row) = (rows.t0 + t, rows.base + rows.t0 + t);
+        let beta = sigmoid(b.row(row)[j]);
+        let decay = (w.ssm_a[j] * softplus(a.row(row)[j] + w.dt_bias[j])).exp();
         for ((dl, &vv), &kk) in delta.iter_mut().zip(v_at(t)).zip(&kv) {
             *dl = beta * (vv - decay * kk);
         }
         let (q, k) = (q_at(t), k_at(t));
         let k_next = k_at((t + 1).min(n_tok - 1));
         let o = &mut y[t * d..(t + 1) * d];
+        let (si, di) = (src_of(at), dst_of(at));
+        let dst = bufs[di].as_mut_ptr();
+        let src = if si == di {
+            dst.cast_const()
+        } else {
+            bufs[si].as_ptr()
+        };
         // Columns in blocks of COLS, so that δ, o and the next kv of a block stay in
         // registers while the sweep runs down the rows; then the leftover columns.
         let full = d / COLS * COLS;
-        for c0 in (0..full).step_by(COLS) {
-            sweep::<FMA, COLS>(s, d, c0, decay, k, q, k_next, &delta, o, &mut kv_next);
-        }
-        for c0 in full..d {
-            sweep::<FMA, 1>(s, d, c0, decay, k, q, k_next, &delta, o, &mut kv_next);
+        // SAFETY: every buffer holds d * d values (checked above); src and dst are one buffer
+        // or two distinct ones of `bufs`.
+        unsafe {
+            for c0 in (0..full).step_by(COLS) {
+                sweep::<FMA, COLS>(
+                    src,
+                    dst,
+                    d,
+                    c0,
+                    decay,
+                    k,
+                    q,
+                    k_next,
+                    &delta,
+                    o,
+                    &mut kv_next,
+                );
+            }
+            for c0 in full..d {
+                sweep::<FMA, 1>(
+                    src,
+                    dst,
+                    d,
+                    c0,
+                    decay,
+                    k,
+                    q,
+                    k_next,
+                    &delta,
+                    o,
+                    &mut kv_next,
+                );
+            }
         }
         std::mem::swap(&mut kv, &mut kv_next);
         // Gated RMSNorm over the head.
         let sc = rms_scale(o, p.eps);
-        let zj = &z.row(t0 + t)[j * d..(j + 1) * d];
+        let zj = &z.row(row)[j * d..(j + 1) * d];
         for ((ov, &g), &zv) in o.iter_mut().zip(w.norm).zip(zj) {
             *ov = *ov * sc * g * silu(zv);
         }

@@ -837,6 +837,25 @@ impl Backend for CpuBackend {
         gdn::gdn(p, mixed, z, b, a, &w, st)
     }
 
+    fn gdn_batch(
+        &self,
+        p: &GdnParams,
+        mixed: &Tensor,
+        z: &Tensor,
+        b: &Tensor,
+        a: &Tensor,
+        w: &GdnWeights<'_, Weight>,
+        seqs: &mut [super::GdnSeq<'_, Recurrent>],
+    ) -> Tensor {
+        let w = gdn::Weights {
+            conv_taps: w.conv.dense_t(),
+            dt_bias: w.dt_bias.dense(),
+            ssm_a: w.ssm_a.dense(),
+            norm: w.norm.dense(),
+        };
+        gdn::gdn_batch(p, mixed, z, b, a, &w, seqs)
+    }
+
     fn argmax_rows(&self, x: &Tensor) -> Vec<u32> {
         // The first index of the largest value (NaN never wins), per chunk and then across
         // the chunks in order.
