@@ -313,40 +313,63 @@ fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
+/// What one token's sweep needs besides the state: the decay and β of the token, its q, k and
+/// v, the next token's k, and (after the first token of a call) this token's `S_oldᵀk`.
+struct Token<'a> {
+    decay: f32,
+    beta: f32,
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    k_next: &'a [f32],
+    /// `None` for the first token: its `S_oldᵀk` is summed here, a column block at a time,
+    /// just before the block's sweep reads the same rows again from L1.
+    kv: Option<&'a [f32]>,
+}
+
 /// Columns `c0..c0 + C` of one token's sweep down the rows of `S` (`d` wide), read from `src`
-/// and written to `dst`: `S[i] = decay·S[i] + k[i]·δ`, `o = Σ_i S[i]·q[i]`,
-/// `kv_next = Σ_i S[i]·k_next[i]`.
+/// and written to `dst`: `δ = β(v − decay·S_oldᵀk)`, `S[i] = decay·S[i] + k[i]·δ`,
+/// `o = Σ_i S[i]·q[i]`, `kv_next = Σ_i S[i]·k_next[i]`. Each row's block is loaded into
+/// registers, updated and stored whole, so in place and out of place compile alike.
 ///
 /// # Safety
-/// `src` and `dst` each hold `d * d` values and are the same buffer or disjoint (each element
-/// is read before it is written).
+/// `src` and `dst` each hold `d * d` values and are the same buffer or disjoint.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn sweep<const FMA: bool, const C: usize>(
     src: *const f32,
     dst: *mut f32,
     d: usize,
     c0: usize,
-    decay: f32,
-    k: &[f32],
-    q: &[f32],
-    k_next: &[f32],
-    delta: &[f32],
+    tok: &Token<'_>,
     o: &mut [f32],
     kv_next: &mut [f32],
 ) {
-    let dl: [f32; C] = delta[c0..c0 + C].try_into().expect("C columns");
+    let load = |i: usize| std::ptr::read_unaligned(src.add(i * d + c0).cast::<[f32; C]>());
+    let kv: [f32; C] = match tok.kv {
+        Some(kv) => kv[c0..c0 + C].try_into().expect("C columns"),
+        None => {
+            let mut acc = [0f32; C];
+            for i in 0..d {
+                let (row, ki) = (load(i), tok.k[i]);
+                for c in 0..C {
+                    acc[c] = madd::<FMA>(row[c], ki, acc[c]);
+                }
+            }
+            acc
+        }
+    };
+    let dl: [f32; C] = std::array::from_fn(|c| tok.beta * (tok.v[c0 + c] - tok.decay * kv[c]));
     let mut oa = [0f32; C];
     let mut kn = [0f32; C];
     for i in 0..d {
-        let (ki, qi, kni) = (k[i], q[i], k_next[i]);
-        let (from, to) = (src.add(i * d + c0), dst.add(i * d + c0));
+        let (ki, qi, kni) = (tok.k[i], tok.q[i], tok.k_next[i]);
+        let mut row = load(i);
         for c in 0..C {
-            let v = madd::<FMA>(ki, dl[c], *from.add(c) * decay);
-            *to.add(c) = v;
-            oa[c] = madd::<FMA>(v, qi, oa[c]);
-            kn[c] = madd::<FMA>(v, kni, kn[c]);
+            row[c] = madd::<FMA>(ki, dl[c], row[c] * tok.decay);
+            oa[c] = madd::<FMA>(row[c], qi, oa[c]);
+            kn[c] = madd::<FMA>(row[c], kni, kn[c]);
         }
+        std::ptr::write_unaligned(dst.add(i * d + c0).cast::<[f32; C]>(), row);
     }
     o[c0..c0 + C].copy_from_slice(&oa);
     kv_next[c0..c0 + C].copy_from_slice(&kn);
@@ -392,25 +415,21 @@ fn head_scan_body<const FMA: bool>(
     for buf in bufs.iter() {
         assert_eq!(buf.len(), d * d, "a head's state is d x d");
     }
-    // kv = S_oldᵀ k for the first token.
+    // kv = S_oldᵀ k of the token being swept (the first token's is summed in its sweep).
     let mut kv = vec![0f32; d];
-    for (srow, &ki) in bufs[src_of(rows.t0)].chunks_exact(d).zip(k_at(0)) {
-        for (acc, &sv) in kv.iter_mut().zip(srow) {
-            *acc = madd::<FMA>(sv, ki, *acc);
-        }
-    }
-    let mut delta = vec![0f32; d];
     let mut kv_next = vec![0f32; d];
     const COLS: usize = 32;
     for t in 0..n_tok {
         let (at, row) = (rows.t0 + t, rows.base + rows.t0 + t);
-        let beta = sigmoid(b.row(row)[j]);
-        let decay = (w.ssm_a[j] * softplus(a.row(row)[j] + w.dt_bias[j])).exp();
-        for ((dl, &vv), &kk) in delta.iter_mut().zip(v_at(t)).zip(&kv) {
-            *dl = beta * (vv - decay * kk);
-        }
-        let (q, k) = (q_at(t), k_at(t));
-        let k_next = k_at((t + 1).min(n_tok - 1));
+        let tok = Token {
+            beta: sigmoid(b.row(row)[j]),
+            decay: (w.ssm_a[j] * softplus(a.row(row)[j] + w.dt_bias[j])).exp(),
+            q: q_at(t),
+            k: k_at(t),
+            v: v_at(t),
+            k_next: k_at((t + 1).min(n_tok - 1)),
+            kv: (t > 0).then_some(&kv[..]),
+        };
         let o = &mut y[t * d..(t + 1) * d];
         let (si, di) = (src_of(at), dst_of(at));
         let dst = bufs[di].as_mut_ptr();
@@ -426,34 +445,10 @@ fn head_scan_body<const FMA: bool>(
         // or two distinct ones of `bufs`.
         unsafe {
             for c0 in (0..full).step_by(COLS) {
-                sweep::<FMA, COLS>(
-                    src,
-                    dst,
-                    d,
-                    c0,
-                    decay,
-                    k,
-                    q,
-                    k_next,
-                    &delta,
-                    o,
-                    &mut kv_next,
-                );
+                sweep::<FMA, COLS>(src, dst, d, c0, &tok, o, &mut kv_next);
             }
             for c0 in full..d {
-                sweep::<FMA, 1>(
-                    src,
-                    dst,
-                    d,
-                    c0,
-                    decay,
-                    k,
-                    q,
-                    k_next,
-                    &delta,
-                    o,
-                    &mut kv_next,
-                );
+                sweep::<FMA, 1>(src, dst, d, c0, &tok, o, &mut kv_next);
             }
         }
         std::mem::swap(&mut kv, &mut kv_next);
