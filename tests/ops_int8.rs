@@ -156,9 +156,10 @@ fn int8_tiled_product_matches_the_integer_reference_on_every_isa() {
     let mut rng = Rng(0x5eed_0f71);
     let mut panel = Panel::default();
     for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        // Last groups 2, 4, 8 and 16 blocks wide (partial or whole), after none or several.
         let ks: &[usize] = match ty {
-            Q8_0 | Q4_0 => &[32, 96, 544, 1120],
-            _ => &[128, 384, 2176, 4224],
+            Q8_0 | Q4_0 => &[32, 96, 160, 288, 544, 1120],
+            _ => &[128, 384, 1024, 2176, 3584, 4224],
         };
         for &k in ks {
             for n_out in [1, 5, 9] {
@@ -208,8 +209,8 @@ fn int8_tiled_quantizer_matches_quantize_then_tile_bit_for_bit() {
     let mut rng = Rng(0x007a_b1e5);
     for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
         let (qk, ks): (usize, &[usize]) = match ty {
-            Q8_0 | Q4_0 => (32, &[32, 544, 1120]),
-            _ => (128, &[128, 2176, 4224]),
+            Q8_0 | Q4_0 => (32, &[32, 160, 544, 1120]),
+            _ => (128, &[128, 1024, 2176, 4224]),
         };
         for &k in ks {
             for rows in (1..=9).chain([63, 65, 129]) {
@@ -260,8 +261,8 @@ fn int8_panel_decode_is_the_same_on_every_isa() {
     let (mut want, mut got) = (Panel::default(), Panel::default());
     for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
         let ks: &[usize] = match ty {
-            Q8_0 | Q4_0 => &[32, 96, 544, 1120],
-            _ => &[128, 384, 2176, 4224],
+            Q8_0 | Q4_0 => &[32, 96, 160, 288, 544, 1120],
+            _ => &[128, 384, 1024, 2176, 3584, 4224],
         };
         for &k in ks {
             for n_out in [1, 5] {

@@ -277,35 +277,104 @@ pub(super) const GROUP: usize = 16;
 
 /// The tiled product's layout of one row (weight codes or activation levels), written by
 /// [`Panel::decode`] and [`TiledActs::new`]: the blocks in groups of [`GROUP`], and within a
-/// group the blocks' 4-byte pieces interleaved, piece `j` of block `i` at `(16j + i) * 4`. So
-/// `vpdpbusd` over the group's successive 64-byte vectors accumulates block `i`'s whole integer
-/// sum in lane `i`, and the per-block scaling is one multiply-add per 16 blocks (lane-wise
-/// against 16 contiguous scales) instead of one per block. A last partial group is padded with
-/// zero blocks (zero codes, levels and scales: they add nothing).
-fn interleave_blocks<T: Copy + Default>(qk: usize, src: &[T], dst: &mut [T]) {
-    let nb = src.len() / qk;
-    let groups = nb.div_ceil(GROUP);
-    debug_assert_eq!(dst.len(), groups * GROUP * qk);
-    dst.fill(T::default());
-    for (b, blk) in src.chunks_exact(qk).enumerate() {
+/// group of width `w` blocks the blocks' 4-byte pieces interleaved, piece `j` of block `i` at
+/// `(w * j + i) * 4`. So `vpdpbusd` over the group's successive 64-byte vectors accumulates
+/// block `i`'s integer sum in the lanes `l` with `l % w == i`, and the per-block scaling is one
+/// multiply-add per group (lane-wise against 16 contiguous scales) instead of one per block.
+///
+/// Every group is 16 blocks wide but the last, which is as wide as the next power of two of
+/// the blocks it holds (at least 64 bytes): a ternary row of 1,024 (8 blocks of 128) is one
+/// group 8 wide, each block's pieces in two lanes, not 16 with 8 of zeros, which cost the
+/// kernel twice the work. Absent blocks are zero codes, levels and scales (they add nothing).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Tiling {
+    /// Elements per block.
+    pub qk: usize,
+    /// Blocks per row.
+    pub nb: usize,
+    pub groups: usize,
+    /// Width of the last group, in blocks.
+    pub last: usize,
+}
+
+impl Tiling {
+    pub fn new(qk: usize, nb: usize) -> Tiling {
+        let groups = nb.div_ceil(GROUP).max(1);
+        let held = nb - (groups - 1) * GROUP;
+        let last = held.next_power_of_two().max(64 / qk).min(GROUP);
+        Tiling {
+            qk,
+            nb,
+            groups,
+            last,
+        }
+    }
+
+    /// Blocks in group `g`'s lanes.
+    pub fn width(&self, g: usize) -> usize {
+        if g + 1 == self.groups {
+            self.last
+        } else {
+            GROUP
+        }
+    }
+
+    /// Bytes (codes or levels) of a row.
+    pub fn row_len(&self) -> usize {
+        ((self.groups - 1) * GROUP + self.last) * self.qk
+    }
+
+    /// Where group `g` of a row starts.
+    pub fn group_at(&self, g: usize) -> usize {
+        g * GROUP * self.qk
+    }
+
+    /// Per-lane values of a row (scales, zero-point terms): 16 per group.
+    pub fn lanes(&self) -> usize {
+        self.groups * GROUP
+    }
+
+    /// Writes a row's blocks `src` (`nb * qk` elements) in this layout into `dst`.
+    pub fn interleave<T: Copy + Default>(&self, src: &[T], dst: &mut [T]) {
+        debug_assert_eq!(dst.len(), self.row_len());
+        dst.fill(T::default());
+        for (b, blk) in src.chunks_exact(self.qk).enumerate() {
+            self.put(b, blk, dst);
+        }
+    }
+
+    /// Writes block `b`'s elements in place in the row `dst`.
+    #[inline]
+    pub fn put<T: Copy>(&self, b: usize, blk: &[T], dst: &mut [T]) {
         let (g, i) = (b / GROUP, b % GROUP);
-        let base = g * GROUP * qk;
+        let (base, w) = (self.group_at(g), self.width(g));
         for (j, piece) in blk.chunks_exact(4).enumerate() {
-            let at = base + (GROUP * j + i) * 4;
+            let at = base + (w * j + i) * 4;
             dst[at..at + 4].copy_from_slice(piece);
+        }
+    }
+
+    /// A row's per-block values `src` as its lanes: lane `l` of group `g` takes block
+    /// `16g + l % w` (every lane of a block for scales, `all`; only its first for the
+    /// zero-point terms, which the lanes' sum must count once), absent blocks 0.
+    pub fn spread(&self, src: &[f32], dst: &mut [f32], all: bool) {
+        for (g, lanes) in dst.chunks_exact_mut(GROUP).enumerate() {
+            let w = self.width(g);
+            for (l, v) in lanes.iter_mut().enumerate() {
+                let b = g * GROUP + l % w;
+                *v = if b < self.nb && (all || l < w) {
+                    src[b]
+                } else {
+                    0.0
+                };
+            }
         }
     }
 }
 
-/// Per-block values (scales, zero-point terms) of a row padded to whole groups.
-fn pad_blocks(src: &[f32], dst: &mut [f32]) {
-    dst[..src.len()].copy_from_slice(src);
-    dst[src.len()..].fill(0.0);
-}
-
 /// Weight rows decoded once for the tiled product ([`gemm_isa`]): each row's codes as unsigned
 /// bytes in its activations' element order (so one code meets one level whatever the stored
-/// packing), in the interleaved layout of [`interleave_blocks`], and each block's scale as f32.
+/// packing), in the interleaved layout of [`Tiling`], and each block's scale as f32.
 /// Decoding a task's rows once and reusing them for every token row takes the unpacking out of
 /// the inner loop, which the row kernels pay per group of [`MAX_ROWS`] tokens.
 #[derive(Default)]
@@ -313,11 +382,10 @@ pub struct Panel {
     pub(super) ty: Option<GgmlType>,
     pub(super) rows: usize,
     pub(super) k: usize,
-    /// Groups of [`GROUP`] blocks per row.
-    pub(super) groups: usize,
-    /// `rows * groups * GROUP * qk` codes.
+    pub(super) tiling: Tiling,
+    /// `rows * tiling.row_len()` codes.
     pub(super) codes: Vec<u8>,
-    /// `rows * groups * GROUP` block scales.
+    /// `rows * tiling.lanes()` block scales.
     pub(super) dw: Vec<f32>,
     /// One row's codes and scales in element order, before interleaving.
     scratch: (Vec<u8>, Vec<f32>),
@@ -338,29 +406,29 @@ impl Panel {
         assert_eq!(w.len(), rb * rows, "int8::Panel: {rows} {ty} rows of {k}");
         let qk = act_block(ty);
         let nb = k / qk;
-        let groups = nb.div_ceil(GROUP);
-        let (gb, gs) = (GROUP * qk, GROUP);
+        let tiling = Tiling::new(qk, nb);
+        let (gb, gs) = (tiling.row_len(), tiling.lanes());
         self.ty = Some(ty);
         self.rows = rows;
         self.k = k;
-        self.groups = groups;
-        self.codes.resize(rows * groups * gb, 0);
-        self.dw.resize(rows * groups * gs, 0.0);
+        self.tiling = tiling;
+        self.codes.resize(rows * gb, 0);
+        self.dw.resize(rows * gs, 0.0);
         let (c, d) = &mut self.scratch;
         c.resize(k, 0);
         d.resize(nb, 0.0);
         for ((row, codes), dw) in w
             .chunks_exact(rb)
-            .zip(self.codes.chunks_exact_mut(groups * gb))
-            .zip(self.dw.chunks_exact_mut(groups * gs))
+            .zip(self.codes.chunks_exact_mut(gb))
+            .zip(self.dw.chunks_exact_mut(gs))
         {
             #[cfg(target_arch = "x86_64")]
-            if super::x86_int8::panel_row(ty, row, nb, codes, dw, isa) {
+            if super::x86_int8::panel_row(ty, row, &tiling, codes, dw, isa) {
                 continue;
             }
             decode_codes(ty, row, c, d);
-            interleave_blocks(qk, c, codes);
-            pad_blocks(d, dw);
+            tiling.interleave(c, codes);
+            tiling.spread(d, dw, true);
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = isa;
@@ -376,15 +444,16 @@ impl Panel {
     }
 }
 
-/// Quantized activations in the tiled product's layout ([`interleave_blocks`]), made from
+/// Quantized activations in the tiled product's layout ([`Tiling`]), made from
 /// [`QActs`] once per product.
 #[derive(Default)]
 pub struct TiledActs {
     pub(super) ty: Option<GgmlType>,
     pub(super) k: usize,
     pub(super) rows: usize,
+    pub(super) tiling: Tiling,
     pub(super) qs: Vec<i8>,
-    /// Per block, padded to whole groups: the scale and the zero-point term.
+    /// Per lane ([`Tiling::spread`]): the block scales and the zero-point terms.
     pub(super) d: Vec<f32>,
     pub(super) o: Vec<f32>,
 }
@@ -409,30 +478,30 @@ impl TiledActs {
             );
             assert_eq!(x.len() % k, 0, "TiledActs: input is not whole rows of {k}");
             let rows = x.len() / k;
-            let groups = (k / qk).div_ceil(GROUP);
-            let (gb, gs) = (GROUP * qk, GROUP);
+            let tiling = Tiling::new(qk, k / qk);
+            let (gb, gs) = (tiling.row_len(), tiling.lanes());
             let mut t = TiledActs {
                 ty: Some(ty),
                 k,
                 rows,
-                qs: vec![0; rows * groups * gb],
-                d: vec![0.0; rows * groups * gs],
-                o: vec![0.0; rows * groups * gs],
+                tiling,
+                qs: vec![0; rows * gb],
+                d: vec![0.0; rows * gs],
+                o: vec![0.0; rows * gs],
             };
             let (z, interleave) = (
                 zero_point(ty),
                 matches!(ty, GgmlType::PQ2_0 | GgmlType::Q2_0Legacy),
             );
             x.par_chunks(k)
-                .zip(t.qs.par_chunks_mut(groups * gb))
-                .zip(
-                    t.d.par_chunks_mut(groups * gs)
-                        .zip(t.o.par_chunks_mut(groups * gs)),
-                )
+                .zip(t.qs.par_chunks_mut(gb))
+                .zip(t.d.par_chunks_mut(gs).zip(t.o.par_chunks_mut(gs)))
                 .for_each(|((x, q), (d, o))| {
                     // SAFETY: VNNI (AVX-512 F and BW) checked above; the row's buffers are
-                    // whole groups of its blocks.
-                    unsafe { super::x86_int8::quantize_tiled_row(qk, z, interleave, x, q, d, o) }
+                    // its tiling's.
+                    unsafe {
+                        super::x86_int8::quantize_tiled_row(&tiling, z, interleave, x, q, d, o)
+                    }
                 });
             return t;
         }
@@ -444,25 +513,26 @@ impl TiledActs {
     pub fn new(a: &QActs) -> TiledActs {
         let qk = act_block(a.ty);
         let nb = a.blocks();
-        let groups = nb.div_ceil(GROUP);
-        let (gb, gs) = (GROUP * qk, GROUP);
+        let tiling = Tiling::new(qk, nb);
+        let (gb, gs) = (tiling.row_len(), tiling.lanes());
         let mut t = TiledActs {
             ty: Some(a.ty),
             k: a.k,
             rows: a.rows,
-            qs: vec![0; a.rows * groups * gb],
-            d: vec![0.0; a.rows * groups * gs],
-            o: vec![0.0; a.rows * groups * gs],
+            tiling,
+            qs: vec![0; a.rows * gb],
+            d: vec![0.0; a.rows * gs],
+            o: vec![0.0; a.rows * gs],
         };
         for (r, ((q, d), o)) in
-            t.qs.chunks_exact_mut(groups * gb)
-                .zip(t.d.chunks_exact_mut(groups * gs))
-                .zip(t.o.chunks_exact_mut(groups * gs))
+            t.qs.chunks_exact_mut(gb)
+                .zip(t.d.chunks_exact_mut(gs))
+                .zip(t.o.chunks_exact_mut(gs))
                 .enumerate()
         {
-            interleave_blocks(qk, a.row(r), q);
-            pad_blocks(&a.d[r * nb..(r + 1) * nb], d);
-            pad_blocks(&a.o[r * nb..(r + 1) * nb], o);
+            tiling.interleave(a.row(r), q);
+            tiling.spread(&a.d[r * nb..(r + 1) * nb], d, true);
+            tiling.spread(&a.o[r * nb..(r + 1) * nb], o, false);
         }
         t
     }
@@ -561,6 +631,7 @@ pub fn gemm_isa(p: &Panel, a: &TiledActs, t0: usize, n: usize, out: &mut [f32], 
         "int8::gemm: panel rows of {} against {}",
         p.k, a.k
     );
+    debug_assert_eq!(p.tiling, a.tiling);
     assert!(
         t0 + n <= a.rows,
         "int8::gemm: rows {t0}..{} of {}",
@@ -585,17 +656,19 @@ pub fn gemm_isa(p: &Panel, a: &TiledActs, t0: usize, n: usize, out: &mut [f32], 
 
 /// [`gemm_isa`] without SIMD, on the same layout: lane `i` of a group is block `i`.
 fn gemm_portable(p: &Panel, a: &TiledActs, t0: usize, n: usize, out: &mut [f32]) {
-    let gb = p.codes.len() / (p.rows * p.groups).max(1);
-    let row = |v: usize, r: usize| r * p.groups * v..(r + 1) * p.groups * v;
+    let tl = p.tiling;
+    let (gb, gs) = (tl.row_len(), tl.lanes());
+    let row = |v: usize, r: usize| r * v..(r + 1) * v;
     for i in 0..n {
         let t = t0 + i;
-        let (q, d, o) = (&a.qs[row(gb, t)], &a.d[row(GROUP, t)], &a.o[row(GROUP, t)]);
+        let (q, d, o) = (&a.qs[row(gb, t)], &a.d[row(gs, t)], &a.o[row(gs, t)]);
         for r in 0..p.rows {
-            let (c, dw) = (&p.codes[row(gb, r)], &p.dw[row(GROUP, r)]);
+            let (c, dw) = (&p.codes[row(gb, r)], &p.dw[row(gs, r)]);
             let mut acc = 0.0f32;
-            for g in 0..p.groups {
+            for g in 0..tl.groups {
                 let mut s = [0i32; GROUP];
-                let (cg, qg) = (&c[g * gb..(g + 1) * gb], &q[g * gb..(g + 1) * gb]);
+                let at = tl.group_at(g)..tl.group_at(g) + tl.width(g) * tl.qk;
+                let (cg, qg) = (&c[at.clone()], &q[at]);
                 for (v, (cv, qv)) in cg.chunks_exact(4).zip(qg.chunks_exact(4)).enumerate() {
                     s[v % GROUP] += cv
                         .iter()

@@ -9,7 +9,7 @@
 
 use std::arch::x86_64::*;
 
-use super::int8::{Isa, Panel, QActs, TiledActs, GROUP, MAX_ROWS};
+use super::int8::{Isa, Panel, QActs, TiledActs, Tiling, GROUP, MAX_ROWS};
 use super::ptq1_0::POW3;
 use crate::tensor::GgmlType;
 
@@ -321,16 +321,15 @@ unsafe fn tile_vnni<const M: usize, const N: usize>(
     out: &mut [f32],
     ldo: usize,
 ) {
-    let ng = p.groups;
-    let gb = p.codes.len() / (p.rows * ng);
+    let tl = p.tiling;
+    let (rl, ls) = (tl.row_len(), tl.lanes());
     let mut facc = [[_mm512_setzero_ps(); N]; M];
-    for g in 0..ng {
-        let cp: [*const u8; M] =
-            std::array::from_fn(|m| p.codes.as_ptr().add(((r0 + m) * ng + g) * gb));
-        let xp: [*const i8; N] =
-            std::array::from_fn(|n| a.qs.as_ptr().add(((t + n) * ng + g) * gb));
+    for g in 0..tl.groups {
+        let (at, len) = (tl.group_at(g), tl.width(g) * tl.qk);
+        let cp: [*const u8; M] = std::array::from_fn(|m| p.codes.as_ptr().add((r0 + m) * rl + at));
+        let xp: [*const i8; N] = std::array::from_fn(|n| a.qs.as_ptr().add((t + n) * rl + at));
         let mut iacc = [[_mm512_setzero_si512(); N]; M];
-        for j in (0..gb).step_by(64) {
+        for j in (0..len).step_by(64) {
             let c: [__m512i; M] =
                 std::array::from_fn(|m| _mm512_loadu_si512(cp[m].add(j) as *const _));
             let x: [__m512i; N] =
@@ -342,11 +341,11 @@ unsafe fn tile_vnni<const M: usize, const N: usize>(
             }
         }
         for n in 0..N {
-            let l = ((t + n) * ng + g) * 16;
+            let l = (t + n) * ls + g * GROUP;
             let dx = _mm512_loadu_ps(a.d.as_ptr().add(l));
             let o = _mm512_loadu_ps(a.o.as_ptr().add(l));
             for m in 0..M {
-                let dw = _mm512_loadu_ps(p.dw.as_ptr().add(((r0 + m) * ng + g) * 16));
+                let dw = _mm512_loadu_ps(p.dw.as_ptr().add((r0 + m) * ls + g * GROUP));
                 let v = _mm512_fmsub_ps(dx, _mm512_cvtepi32_ps(iacc[m][n]), o);
                 facc[m][n] = _mm512_fmadd_ps(dw, v, facc[m][n]);
             }
@@ -361,7 +360,7 @@ unsafe fn tile_vnni<const M: usize, const N: usize>(
 
 /// Prefill's activations ([`TiledActs::quantize`]): one row, per block of `qk` the scale, the
 /// levels and the zero-point term of `int8::quantize_row` bit for bit, written straight into
-/// the tiled layout (`int8::interleave_blocks`; PQ2_0's levels interleaved within each block
+/// the tiled layout (`int8::Tiling`; PQ2_0's levels interleaved within each block
 /// first). The rounding is `f32::round`'s, ties away from zero, not the vector unit's ties to
 /// even; a NaN level is 0 and an infinite one saturates, as Rust's `as i8` has them.
 ///
@@ -369,7 +368,7 @@ unsafe fn tile_vnni<const M: usize, const N: usize>(
 /// AVX-512 F and BW are available; `q`, `d` and `o` hold whole groups of the row's blocks.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) unsafe fn quantize_tiled_row(
-    qk: usize,
+    tl: &Tiling,
     z: f32,
     interleave: bool,
     x: &[f32],
@@ -377,7 +376,9 @@ pub(super) unsafe fn quantize_tiled_row(
     d: &mut [f32],
     o: &mut [f32],
 ) {
+    let qk = tl.qk;
     let nv = qk / 16;
+    let (mut db_row, mut o_row) = (vec![0f32; tl.nb], vec![0f32; tl.nb]);
     let sign = _mm512_set1_epi32(i32::MIN);
     let (one, half) = (_mm512_set1_ps(1.0), _mm512_set1_ps(0.5));
     let (lo, hi) = (_mm512_set1_ps(-128.0), _mm512_set1_ps(127.0));
@@ -425,15 +426,12 @@ pub(super) unsafe fn quantize_tiled_row(
         } else {
             &lv[..qk]
         };
-        let (g, i) = (b / GROUP, b % GROUP);
-        let base = g * GROUP * qk;
-        for (j, piece) in src.chunks_exact(4).enumerate() {
-            let at = base + (GROUP * j + i) * 4;
-            q[at..at + 4].copy_from_slice(piece);
-        }
-        d[b] = db;
-        o[b] = z * db * _mm512_reduce_add_epi32(sum) as f32;
+        tl.put(b, src, q);
+        db_row[b] = db;
+        o_row[b] = z * db * _mm512_reduce_add_epi32(sum) as f32;
     }
+    tl.spread(&db_row, d, true);
+    tl.spread(&o_row, o, false);
 }
 
 /// [`Panel::decode_isa`]'s vector path for one row of Q8_0 or PQ2_0: each group's codes
@@ -442,7 +440,7 @@ pub(super) unsafe fn quantize_tiled_row(
 pub(super) fn panel_row(
     ty: GgmlType,
     row: &[u8],
-    nb: usize,
+    tl: &Tiling,
     codes: &mut [u8],
     dw: &mut [f32],
     isa: Isa,
@@ -450,17 +448,57 @@ pub(super) fn panel_row(
     if isa < Isa::Avx512Vnni || !vnni() {
         return false;
     }
-    debug_assert_eq!(row.len(), nb * 34);
+    debug_assert_eq!(row.len(), tl.nb * 34);
     // SAFETY: AVX-512 checked above; `row` holds `nb` 34-byte blocks and `codes` / `dw` whole
     // groups of them (`Panel::decode_isa`).
     unsafe {
         match ty {
-            GgmlType::Q8_0 => panel_row_q8_0(row, nb, codes, dw),
-            GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => panel_row_pq2_0(row, nb, codes, dw),
+            GgmlType::Q8_0 => panel_row_q8_0(row, tl, codes, dw),
+            GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => panel_row_pq2_0(row, tl, codes, dw),
             _ => return false,
         }
     }
     true
+}
+
+/// A last group narrower than 16 blocks ([`Tiling`]), of Q8_0 (`pq2` false) or PQ2_0 blocks
+/// from `base`: lane `l` of its vector `v` is piece `(16v + l) / w` of block `l % w`, gathered
+/// one vector at a time; the scales of every lane of a block.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn narrow_group34(tl: &Tiling, base: *const u8, pq2: bool, out: *mut u8, dw: *mut f32) {
+    let w = tl.last;
+    let held = tl.nb - (tl.groups - 1) * GROUP;
+    let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let blk = _mm512_and_si512(lane, _mm512_set1_epi32(w as i32 - 1));
+    let k = _mm512_cmplt_epi32_mask(blk, _mm512_set1_epi32(held as i32));
+    let boff = _mm512_mullo_epi32(blk, _mm512_set1_epi32(34));
+    let log_w = _mm_cvtsi32_si128(w.trailing_zeros() as i32);
+    for v in 0..w * tl.qk / 64 {
+        let j = _mm512_srl_epi32(
+            _mm512_add_epi32(lane, _mm512_set1_epi32(16 * v as i32)),
+            log_w,
+        );
+        let c = if pq2 {
+            // Piece 8s + m: code plane s of the block's bytes 4m..4m + 4.
+            let m = _mm512_and_si512(j, _mm512_set1_epi32(7));
+            let idx = _mm512_add_epi32(
+                boff,
+                _mm512_add_epi32(_mm512_slli_epi32::<2>(m), _mm512_set1_epi32(2)),
+            );
+            let g = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, idx, base as _);
+            let sh = _mm512_slli_epi32::<1>(_mm512_srli_epi32::<3>(j));
+            _mm512_and_si512(_mm512_srlv_epi32(g, sh), _mm512_set1_epi8(3))
+        } else {
+            let idx = _mm512_add_epi32(
+                boff,
+                _mm512_add_epi32(_mm512_slli_epi32::<2>(j), _mm512_set1_epi32(2)),
+            );
+            let g = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, idx, base as _);
+            _mm512_maskz_xor_epi32(k, g, _mm512_set1_epi8(-128))
+        };
+        _mm512_storeu_si512(out.add(64 * v) as *mut _, c);
+    }
+    group_scales34(base, k, boff, dw);
 }
 
 /// Lane `i`: the byte offset of block `i` of a group of 34-byte blocks.
@@ -490,13 +528,17 @@ unsafe fn group_scales34(base: *const u8, k: __mmask16, off: __m512i, dw: *mut f
 }
 
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn panel_row_q8_0(row: &[u8], nb: usize, codes: &mut [u8], dw: &mut [f32]) {
+unsafe fn panel_row_q8_0(row: &[u8], tl: &Tiling, codes: &mut [u8], dw: &mut [f32]) {
     let off = block_offsets34();
     let bias = _mm512_set1_epi8(-128);
-    for g in 0..nb.div_ceil(GROUP) {
-        let k = group_mask(g, nb);
+    for g in 0..tl.groups {
+        let k = group_mask(g, tl.nb);
         let base = row.as_ptr().add(g * GROUP * 34);
-        let out = codes.as_mut_ptr().add(g * GROUP * 32);
+        let out = codes.as_mut_ptr().add(tl.group_at(g));
+        if tl.width(g) < GROUP {
+            narrow_group34(tl, base, false, out, dw.as_mut_ptr().add(g * GROUP));
+            continue;
+        }
         for j in 0..8 {
             let idx = _mm512_add_epi32(off, _mm512_set1_epi32(2 + 4 * j as i32));
             let v = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, idx, base as _);
@@ -509,13 +551,17 @@ unsafe fn panel_row_q8_0(row: &[u8], nb: usize, codes: &mut [u8], dw: &mut [f32]
 }
 
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn panel_row_pq2_0(row: &[u8], nb: usize, codes: &mut [u8], dw: &mut [f32]) {
+unsafe fn panel_row_pq2_0(row: &[u8], tl: &Tiling, codes: &mut [u8], dw: &mut [f32]) {
     let off = block_offsets34();
     let m3 = _mm512_set1_epi8(3);
-    for g in 0..nb.div_ceil(GROUP) {
-        let k = group_mask(g, nb);
+    for g in 0..tl.groups {
+        let k = group_mask(g, tl.nb);
         let base = row.as_ptr().add(g * GROUP * 34);
-        let out = codes.as_mut_ptr().add(g * GROUP * 128);
+        let out = codes.as_mut_ptr().add(tl.group_at(g));
+        if tl.width(g) < GROUP {
+            narrow_group34(tl, base, true, out, dw.as_mut_ptr().add(g * GROUP));
+            continue;
+        }
         for m in 0..8 {
             let idx = _mm512_add_epi32(off, _mm512_set1_epi32(2 + 4 * m as i32));
             let v = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, idx, base as _);
