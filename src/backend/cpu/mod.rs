@@ -134,25 +134,63 @@ fn product(w: &Weight, x: &[f32], int8: bool) -> Tensor {
 /// `MAX_ROWS`, each weight row read from memory once for a group; many (prefill) through the
 /// tiled kernel where the CPU has it.
 fn product_int8(w: &Weight, x: &[f32], out: &mut Tensor) {
-    use quant::int8::{self, QActs, MAX_ROWS};
-    let (k, n_out) = (w.ne0, w.rows);
+    use quant::int8::{self, QActs};
+    let k = w.ne0;
     let n_tok = x.len() / k;
     if n_tok >= int8::tiled_min_rows(w.ty) && int8::gemm_vectorized() {
         return product_int8_tiled(w, x, out);
     }
     let acts = QActs::quantize(w.ty, x, k);
-    let chunk = int8_row_chunk(w.row_bytes, n_out);
-    let dst = gemm::OutPtr(out.data.as_mut_ptr());
-    (0..n_out.div_ceil(chunk)).into_par_iter().for_each(|c| {
-        let (r0, r1) = (c * chunk, ((c + 1) * chunk).min(n_out));
+    products_int8_rows(&mut [(w, &acts, out)]);
+}
+
+/// Whether `product` of `n_tok` rows by `w` takes the row kernels of `product_int8`.
+fn takes_row_kernels(w: &Weight, n_tok: usize, int8: bool) -> bool {
+    use quant::int8;
+    int8 && w.dense.is_none()
+        && int8::supported(w.ty)
+        && n_tok > 0
+        && !(n_tok >= int8::tiled_min_rows(w.ty) && int8::gemm_vectorized())
+}
+
+/// The row kernels of `product_int8` for several matrices at once (q/k/v, the GDN projections,
+/// ffn gate and up: one input, several weights), all their row tasks in one parallel region:
+/// a decode step forks and joins once per such group instead of once per matrix, and a small
+/// matrix (GDN's beta and alpha) shares the region with a large one instead of waking the
+/// threads for a few microseconds of work.
+fn products_int8_rows(jobs: &mut [(&Weight, &quant::int8::QActs, &mut Tensor)]) {
+    use quant::int8::{self, MAX_ROWS};
+    let tasks: Vec<(usize, usize, usize)> = jobs
+        .iter()
+        .enumerate()
+        .flat_map(|(j, (w, _, _))| {
+            let chunk = int8_row_chunk(w.row_bytes, w.rows);
+            (0..w.rows.div_ceil(chunk)).map(move |c| (j, c * chunk, ((c + 1) * chunk).min(w.rows)))
+        })
+        .collect();
+    let jobs: Vec<(&Weight, &int8::QActs, gemm::OutPtr)> = jobs
+        .iter_mut()
+        .map(|(w, a, out)| {
+            assert_eq!(
+                (out.rows, out.cols),
+                (a.rows(), w.rows),
+                "product of {}: output shape",
+                w.src.name()
+            );
+            (*w, *a, gemm::OutPtr(out.data.as_mut_ptr()))
+        })
+        .collect();
+    tasks.into_par_iter().for_each(|(j, r0, r1)| {
+        let (w, acts, dst) = (jobs[j].0, jobs[j].1, &jobs[j].2);
+        let (n_tok, n_out) = (acts.rows(), w.rows);
         let mut o = [0f32; MAX_ROWS];
         for t0 in (0..n_tok).step_by(MAX_ROWS) {
             let n = MAX_ROWS.min(n_tok - t0);
             for r in r0..r1 {
-                int8::dot_rows(w.row_data(r), &acts, t0, &mut o[..n]);
+                int8::dot_rows(w.row_data(r), acts, t0, &mut o[..n]);
                 for (i, &v) in o[..n].iter().enumerate() {
-                    // SAFETY: `out` holds `n_tok` rows of `n_out`; this task alone writes
-                    // columns r0..r1.
+                    // SAFETY: job j's output holds `n_tok` rows of `n_out` (checked above);
+                    // this task alone writes its columns r0..r1.
                     unsafe { *dst.at((t0 + i) * n_out + r) = v };
                 }
             }
@@ -591,23 +629,54 @@ impl Backend for CpuBackend {
     }
 
     fn matmul_many(&self, ws: &[&Weight], x: &Tensor) -> Vec<Tensor> {
+        // Each weight's input: `x`, or `x` through its fold (computed once per distinct fold).
         let mut folded: Vec<(&Fold, Vec<f32>)> = Vec::new();
-        ws.iter()
+        let input: Vec<Option<usize>> = ws
+            .iter()
             .map(|w| {
                 assert_eq!(x.cols, w.ne0, "matmul {}: input width", w.src.name());
-                let Some(f) = &w.fold else {
-                    return product(w, &x.data, self.int8);
-                };
-                let i = match folded.iter().position(|(g, _)| same_fold(g, f)) {
+                let f = w.fold.as_ref()?;
+                Some(match folded.iter().position(|(g, _)| same_fold(g, f)) {
                     Some(i) => i,
                     None => {
                         folded.push((f, folded_input(f, x)));
                         folded.len() - 1
                     }
-                };
-                product(w, &folded[i].1, self.int8)
+                })
             })
-            .collect()
+            .collect();
+        let data = |i: Option<usize>| i.map_or(&x.data[..], |i| &folded[i].1[..]);
+        if !ws.iter().all(|w| takes_row_kernels(w, x.rows, self.int8)) {
+            return ws
+                .iter()
+                .zip(&input)
+                .map(|(w, &i)| product(w, data(i), self.int8))
+                .collect();
+        }
+        // The activations quantized once per input and weight type, then one parallel region.
+        let mut acts: Vec<(Option<usize>, GgmlType, quant::int8::QActs)> = Vec::new();
+        let which: Vec<usize> = ws
+            .iter()
+            .zip(&input)
+            .map(|(w, &i)| {
+                acts.iter()
+                    .position(|a| a.0 == i && a.1 == w.ty)
+                    .unwrap_or_else(|| {
+                        let a = quant::int8::QActs::quantize(w.ty, data(i), x.cols);
+                        acts.push((i, w.ty, a));
+                        acts.len() - 1
+                    })
+            })
+            .collect();
+        let mut outs: Vec<Tensor> = ws.iter().map(|w| Tensor::zeros(x.rows, w.rows)).collect();
+        let mut jobs: Vec<_> = ws
+            .iter()
+            .zip(&which)
+            .zip(outs.iter_mut())
+            .map(|((w, &a), out)| (*w, &acts[a].2, out))
+            .collect();
+        products_int8_rows(&mut jobs);
+        outs
     }
 
     fn gather_rows(&self, t: &Tensor, runs: &[(usize, usize)]) -> Tensor {
