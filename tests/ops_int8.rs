@@ -109,11 +109,11 @@ fn int8_kernels_match_the_integer_reference_on_every_isa() {
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let n_out = 7;
     for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
-        // Whole blocks only, and never a multiple of 256 except the smallest PQ2_0 pair; odd
-        // block counts leave Q8_0's 512-bit kernel a last single block.
+        // Whole blocks only; odd block counts leave Q8_0's and PQ2_0's 512-bit kernels (two
+        // blocks a step) a last single block, even ones (256, 1024, 2304 for PQ2_0) none.
         let ks: &[usize] = match ty {
             Q8_0 | Q4_0 => &[32, 96, 544, 2080],
-            _ => &[128, 384, 640, 1152],
+            _ => &[128, 256, 384, 640, 1024, 1152, 2304],
         };
         for &k in ks {
             let w = random_rows(&mut rng, ty, k, n_out);

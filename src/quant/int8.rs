@@ -66,6 +66,33 @@ pub struct QActs {
     /// block's eight i32 partial sums.
     pub(super) d8: Vec<f32>,
     pub(super) o8: Vec<f32>,
+    /// For PQ2_0 (see [`pair_levels`]): each row's levels with the blocks taken in pairs, and
+    /// per pair `d` and `o / 8` of its first block in lanes 0..8, of its second in 8..16.
+    pub(super) pairs: Vec<i8>,
+    pub(super) d16: Vec<f32>,
+    pub(super) o16: Vec<f32>,
+}
+
+/// PQ2_0's levels for the one-row kernels, a row's blocks taken two at a time: code plane `s`
+/// of a pair's two stored blocks, loaded as one 64-byte vector (32 bytes of each block), and
+/// shifted by `2s` and masked, meets its 64 levels in one load, plane `s` of the first block
+/// then of the second (`64s + 32h + m` holding element `4m + s` of block `h` of the pair). So
+/// the lanes 0..8 of the integer sums are the first block's and 8..16 the second's, scaled
+/// lane-wise as Q8_0's pairs of blocks are, with no per-block scalar work. A last odd block
+/// keeps the plain interleaved layout (`qs`).
+fn pair_levels(qs: &[i8], k: usize, pairs: &mut [i8]) {
+    for (q, p) in qs.chunks_exact(k).zip(pairs.chunks_exact_mut(k)) {
+        let whole = k / 256 * 256;
+        for (q, p) in q[..whole].chunks_exact(256).zip(p.chunks_exact_mut(256)) {
+            for h in 0..2 {
+                for s in 0..4 {
+                    let at = 64 * s + 32 * h;
+                    p[at..at + 32].copy_from_slice(&q[128 * h + 32 * s..128 * h + 32 * s + 32]);
+                }
+            }
+        }
+        p[whole..].copy_from_slice(&q[whole..]);
+    }
 }
 
 impl QActs {
@@ -92,6 +119,9 @@ impl QActs {
             o: vec![0.0; nb],
             d8: Vec::new(),
             o8: Vec::new(),
+            pairs: Vec::new(),
+            d16: Vec::new(),
+            o16: Vec::new(),
         };
         let nbr = k / qk;
         let row = |x: &[f32], q: &mut [i8], d: &mut [f32], o: &mut [f32]| {
@@ -109,6 +139,18 @@ impl QActs {
         if qk == 32 {
             a.d8 = a.d.iter().flat_map(|&d| [d; 8]).collect();
             a.o8 = a.o.iter().flat_map(|&o| [o / 8.0; 8]).collect();
+        }
+        if interleave {
+            a.pairs = vec![0; x.len()];
+            pair_levels(&a.qs, k, &mut a.pairs);
+            let np = nbr / 2;
+            let lanes = |v: &[f32], div: f32| -> Vec<f32> {
+                v.chunks_exact(nbr)
+                    .flat_map(|r| r[..2 * np].iter().flat_map(move |&v| [v / div; 8]))
+                    .collect()
+            };
+            a.d16 = lanes(&a.d, 1.0);
+            a.o16 = lanes(&a.o, 8.0);
         }
         a
     }

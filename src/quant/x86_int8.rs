@@ -211,21 +211,60 @@ unsafe fn codes128_vnni<const N: usize>(
     }
 }
 
+/// PQ2_0: two blocks per step against the paired levels (`int8::pair_levels`): the two blocks'
+/// 64 code bytes in one vector, each plane one immediate shift and mask, and the integer sums
+/// (lanes 0..8 the first block's, 8..16 the second's) scaled lane-wise by `dw * (dx * S - o)`
+/// as Q8_0's are. A last odd block goes through the one-block step.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 unsafe fn pq2_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
-    let nb = a.k / 128;
-    // Per 16-bit lane: the low 256 bits take code planes 0 and 2, the high ones 1 and 3.
-    let sh01 = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
-    let sh23 = _mm512_inserti64x4::<1>(
-        _mm512_castsi256_si512(_mm256_set1_epi16(4)),
-        _mm256_set1_epi16(6),
-    );
+    let (k, nb) = (a.k, a.k / 128);
+    let np = nb / 2;
     let m3 = _mm512_set1_epi8(3);
     let mut acc = [_mm512_setzero_ps(); N];
-    let mut off = [0f32; N];
-    for b in 0..nb {
-        let blk = row.as_ptr().add(b * 34);
+    for p in 0..np {
+        let blk = row.as_ptr().add(p * 68);
         prefetch(blk);
+        let q = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_loadu_si256(blk.add(2) as *const __m256i)),
+            _mm256_loadu_si256(blk.add(36) as *const __m256i),
+        );
+        let c = [
+            _mm512_and_si512(q, m3),
+            _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
+            _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
+        ];
+        let dw = _mm512_cvtph_ps(_mm256_set_m128i(
+            _mm_set1_epi16(f16_at(blk.add(34)) as i16),
+            _mm_set1_epi16(f16_at(blk) as i16),
+        ));
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let t = t0 + i;
+            let x = a.pairs.as_ptr().add(t * k + p * 256);
+            let xv = |s: usize| _mm512_loadu_si512(x.add(64 * s) as *const _);
+            // Two chains of two, so a row's sums do not wait on one another four deep.
+            let s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], xv(0));
+            let s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[2], xv(2));
+            let s01 = _mm512_dpbusd_epi32(s01, c[1], xv(1));
+            let s23 = _mm512_dpbusd_epi32(s23, c[3], xv(3));
+            let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s01, s23));
+            let l = (t * np + p) * 16;
+            let dx = _mm512_loadu_ps(a.d16.as_ptr().add(l));
+            let o = _mm512_loadu_ps(a.o16.as_ptr().add(l));
+            *acc = _mm512_fmadd_ps(dw, _mm512_fmsub_ps(dx, s, o), *acc);
+        }
+    }
+    let mut off = [0f32; N];
+    if nb % 2 == 1 {
+        // The last block in the one-block layout: planes 0 and 2 from the low 256 bits of each
+        // 16-bit lane's shift, 1 and 3 from the high.
+        let b = nb - 1;
+        let blk = row.as_ptr().add(b * 34);
+        let sh01 = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+        let sh23 = _mm512_inserti64x4::<1>(
+            _mm512_castsi256_si512(_mm256_set1_epi16(4)),
+            _mm256_set1_epi16(6),
+        );
         let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2) as *const __m256i));
         let c = [
             _mm512_and_si512(_mm512_srlv_epi16(q, sh01), m3),
