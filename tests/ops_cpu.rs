@@ -354,6 +354,45 @@ impl AttnRef {
 /// the reference in f64, so an element on a rounding boundary can land one level apart (one
 /// 16-bit ulp, or one Q8_0/Q4_0 step) and move the output by ~1e-9. Measured: 4.4e-12 at
 /// most. A wrong kernel is >= 1e-4.
+/// The serving path's `matmul_many` runs every matrix of a group in one parallel region with
+/// the activations quantized once per input and weight type: each output is bit for bit what
+/// `matmul` of that matrix alone gives, for a group mixing weight types, folded and unfolded
+/// matrices, one of 2 rows beside ones of hundreds (GDN's beta/alpha beside qkv), and every
+/// row count of the row kernels and past it (the tiled product takes over per matrix).
+#[test]
+fn int8_matmul_many_matches_matmul_per_matrix() {
+    let be = CpuBackend::int8();
+    let mut rng = Rng(4099);
+    let ne0 = 384;
+    let h = hadamard(128, &[ne0], true, 11);
+    let mut srcs = Vec::new();
+    for (ty, n_out, folded) in [
+        (GgmlType::PQ2_0, 300, true),
+        (GgmlType::Q8_0, 129, false),
+        (GgmlType::PQ2_0, 2, false),
+        (GgmlType::Q8_0, 37, true),
+        (GgmlType::PQ2_0, 70, true),
+    ] {
+        let w = weight("blk.0.ffn_up.weight", ty, ne0, n_out, &rng.vec(ne0 * n_out, 1.0));
+        srcs.push(if folded { with_fold(w, &h, None) } else { w });
+    }
+    let ws: Vec<_> = srcs.iter().map(|s| be.upload(s).unwrap()).collect();
+    let refs: Vec<_> = ws.iter().collect();
+    for n_tok in [1, 2, 4, 5, 9, 40] {
+        let x = be.from_host(&rng.vec(n_tok * ne0, 1.0), n_tok, ne0);
+        let many = be.matmul_many(&refs, &x);
+        for (i, (w, y)) in ws.iter().zip(&many).enumerate() {
+            let one = be.to_host(&be.matmul(w, &x));
+            let got = be.to_host(y);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                one.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "matrix {i} of the group, {n_tok} rows"
+            );
+        }
+    }
+}
+
 const TOL_QUANT_CACHE: f64 = 1e-9;
 
 #[test]
