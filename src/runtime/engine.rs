@@ -928,12 +928,9 @@ impl<B: Backend> Worker<B> {
                 self.pools.batch.clone()
             };
             // A bug in a step must fail the requests in flight, not kill the engine.
-            // Without a pool of its own the step still runs on a worker of the global one: a
-            // parallel region entered from outside the pool parks this thread and wakes it
-            // again, twice per matmul, while inside it a region is a push onto the deque.
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &pool {
                 Some(p) => p.install(|| self.step()),
-                None => rayon::scope(|_| self.step()),
+                None => self.step(),
             }))
             .unwrap_or_else(|p| {
                 Err(EngineError::Model(format!(
