@@ -373,7 +373,13 @@ fn int8_matmul_many_matches_matmul_per_matrix() {
         (GgmlType::Q8_0, 37, true),
         (GgmlType::PQ2_0, 70, true),
     ] {
-        let w = weight("blk.0.ffn_up.weight", ty, ne0, n_out, &rng.vec(ne0 * n_out, 1.0));
+        let w = weight(
+            "blk.0.ffn_up.weight",
+            ty,
+            ne0,
+            n_out,
+            &rng.vec(ne0 * n_out, 1.0),
+        );
         srcs.push(if folded { with_fold(w, &h, None) } else { w });
     }
     let ws: Vec<_> = srcs.iter().map(|s| be.upload(s).unwrap()).collect();

@@ -164,8 +164,8 @@ fn products_int8_rows(jobs: &mut [(&Weight, &quant::int8::QActs, &mut Tensor)]) 
         .iter()
         .enumerate()
         .flat_map(|(j, (w, _, _))| {
-            let chunk = int8_row_chunk(w.row_bytes, w.rows);
-            (0..w.rows.div_ceil(chunk)).map(move |c| (j, c * chunk, ((c + 1) * chunk).min(w.rows)))
+            let (n, chunk) = (w.rows, int8_row_chunk(w.row_bytes, w.rows));
+            (0..n.div_ceil(chunk)).map(move |c| (j, c * chunk, ((c + 1) * chunk).min(n)))
         })
         .collect();
     let jobs: Vec<(&Weight, &int8::QActs, gemm::OutPtr)> = jobs
