@@ -30,7 +30,7 @@ pub struct Options {
 
 /// Bytes of weights one decoded token reads: every matrix of the trunk once (the embedding
 /// table only for one row, unless it is also the output head), not the MTP block.
-fn streamed_bytes(g: &tern::gguf::Gguf) -> u64 {
+pub(crate) fn streamed_bytes(g: &tern::gguf::Gguf) -> u64 {
     let tied = !g.tensors().iter().any(|t| t.name == "output.weight");
     g.tensors()
         .iter()
@@ -527,7 +527,49 @@ fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
             }
         }
     }
+    head_kernels()?;
     tiled_kernels(src)
+}
+
+/// The row kernels for one activation row at the shape of bench-0.8b's tied output head
+/// (248,320 rows of 1,024, the largest matrix of a decode step), single-threaded: rows this
+/// short pay each row's setup and reduction more often than the 4,096-wide rows above.
+fn head_kernels() -> Result<()> {
+    use tern::quant::int8::{self, QActs};
+    use tern::tensor::GgmlType::*;
+    let (rows, cols) = (248_320usize, 1024usize);
+    let x: Vec<f32> = (0..cols)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect();
+    let src: Vec<f32> = (0..cols)
+        .map(|i| ((i * 104729) % 2000) as f32 / 1000.0 - 1.0)
+        .collect();
+    println!("\noutput head shape ({rows} x {cols}), 1 activation row");
+    println!("{:<8} {:>12} {:>12}", "type", "isa", "GB/s");
+    for ty in [Q8_0, PQ2_0] {
+        let row = tern::quant::quantize_row(ty, &src)?;
+        let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
+        let acts = QActs::quantize(ty, &x, cols);
+        for isa in int8::isas() {
+            let mut best = f64::MAX;
+            let mut out = [0f32; 1];
+            for _ in 0..3 {
+                let t = thread_cpu_s();
+                for w in m.chunks_exact(row.len()) {
+                    int8::dot_rows_isa(w, &acts, 0, &mut out, isa);
+                    std::hint::black_box(&out);
+                }
+                best = best.min(thread_cpu_s() - t);
+            }
+            println!(
+                "{:<8} {:>12} {:>12.2}",
+                ty.name(),
+                format!("{isa:?}"),
+                m.len() as f64 / best / 1e9
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The product's shapes from a decode step to prefill, single-threaded: 1 to 64 token rows

@@ -4,6 +4,7 @@ mod bench;
 mod bench_depth;
 mod bench_draft;
 mod bench_lora;
+mod bench_step;
 mod bench_vision;
 mod fixtures;
 mod fold;
@@ -54,6 +55,11 @@ const USAGE: &str = "usage: cargo xtask <task>
                         round per depth (a 16k fill takes minutes); default files as bench
   bench --kernels       single-thread dot_row throughput per weight type; the int8 row
                         kernels for 1 to 4 rows and the tiled int8 product (G MAC/s)
+  bench --step [--decode N] [FILE...]
+                        a one-row decode step's wall time split on the CPU serving path: matmul
+                        ms per class of matrix (GDN/attention in and out, FFN, output head), the
+                        rest, argmax, context switches per step, against the read bandwidth of
+                        1 and all threads and the bytes a token reads; default files as bench
   bench --vision [--no-llama] [--runs N] [--model F] [--mmproj F] [--image F]
                         image tokens/s of one encode on the CPU, tern vs llama.cpp (mtmd, the
                         Python binding) on the same projector and image (default: the fixtures'
@@ -230,6 +236,9 @@ fn main() -> Result<()> {
             };
             if args[1..].iter().any(|a| a == "--kernels") {
                 return bench::kernels();
+            }
+            if args[1..].iter().any(|a| a == "--step") {
+                return bench_step_cli(&root, &args[1..]);
             }
             if let Some(i) = args[1..].iter().position(|a| a == "--depth") {
                 return bench_depth_cli(&root, &args[1..], i);
@@ -580,6 +589,34 @@ fn bench_depth_cli(root: &std::path::Path, args: &[String], at: usize) -> Result
         o.files = default_bench_files(root);
     }
     bench_depth::run(root, &o)
+}
+
+/// `bench --step [--decode N] [FILE...]`.
+fn bench_step_cli(root: &std::path::Path, args: &[String]) -> Result<()> {
+    let (mut files, mut decode) = (Vec::new(), 32);
+    let mut it = args.iter().filter(|a| *a != "--step");
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--decode" => {
+                decode = match it.next().map(|v| v.parse::<usize>()) {
+                    Some(Ok(n)) if n > 0 => n,
+                    _ => bail!("--decode needs a positive number\n{USAGE}"),
+                }
+            }
+            f if !f.starts_with("--") => files.push(PathBuf::from(f)),
+            other => bail!("bench --step: unknown option {other}\n{USAGE}"),
+        }
+    }
+    if files.is_empty() {
+        files = default_bench_files(root);
+    }
+    if let Some(f) = files.iter().find(|f| !f.exists()) {
+        bail!(
+            "{} is missing: run `cargo xtask fixtures --bench`",
+            f.display()
+        );
+    }
+    bench_step::run(&files, decode)
 }
 
 /// The bench files `cargo xtask fixtures --bench` writes, when no file is named.

@@ -1,0 +1,268 @@
+//! `cargo xtask bench --step [--decode N] [FILE...]`: where the wall time of a one-row decode
+//! step goes on the CPU serving path (int8 activations), against the memory roofline.
+//!
+//! Per file: the bytes a token reads, the step's median wall time (from the calling thread as
+//! the engine runs it, and from a worker of the pool), and the same matrices run class by class
+//! (the products a step runs, with its inputs' shapes; grouped as `matmul_many` runs them and
+//! one matrix at a time) so that the step splits into matmul time per class and the rest
+//! (norms, the mixers' cores, rayon's wake-ups). The roofline is what this machine's threads
+//! stream from memory in a plain read loop. Wall time on a shared machine measures the
+//! neighbours too: the load average is printed beside it.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use rayon::prelude::*;
+use tern::backend::cpu::CpuBackend;
+use tern::backend::Backend;
+use tern::model::weights::Mixer;
+use tern::model::Model;
+
+use crate::bench::{load_average, median, prompt, streamed_bytes};
+
+/// Read bandwidth of `threads` threads each summing its share of a buffer larger than the
+/// caches, in GB/s of wall time (the best of three passes).
+fn read_bandwidth(buf: &[u64], threads: usize) -> f64 {
+    let share = buf.len().div_ceil(threads);
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let sums: Vec<u64> = std::thread::scope(|s| {
+            let hs: Vec<_> = buf
+                .chunks(share)
+                .map(|c| {
+                    s.spawn(move || {
+                        // Eight independent lanes, so the loop vectorizes and is bound by loads.
+                        let mut acc = [0u64; 8];
+                        for v in c.chunks_exact(8) {
+                            for (a, &x) in acc.iter_mut().zip(v) {
+                                *a = a.wrapping_add(x);
+                            }
+                        }
+                        acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or(0)).collect()
+        });
+        std::hint::black_box(sums);
+        best = best.min(t.elapsed().as_secs_f64());
+    }
+    std::mem::size_of_val(buf) as f64 / best / 1e9
+}
+
+/// Voluntary context switches of this process's threads so far (each a thread that went to
+/// sleep waiting for work or for a result: rayon's parks and wake-ups).
+fn voluntary_switches() -> u64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("status")).ok())
+        .filter_map(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+                .and_then(|v| v.trim().parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// Median wall ms of `reps` calls of `f`.
+fn time_ms(reps: usize, mut f: impl FnMut()) -> f64 {
+    median(
+        (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                f();
+                t.elapsed().as_secs_f64() * 1e3
+            })
+            .collect(),
+    )
+}
+
+pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
+    let threads = rayon::current_num_threads();
+    println!("{} | rayon threads {threads}", load_average());
+    // 512 MiB, touched once so that the passes read memory, not fresh zero pages.
+    let buf: Vec<u64> = (0..64u64 << 20).collect();
+    for n in [1, threads] {
+        println!(
+            "read bandwidth, {n} thread(s): {:.2} GB/s",
+            read_bandwidth(&buf, n)
+        );
+    }
+    drop(buf);
+    let region = |inside: bool| {
+        let empty = || {
+            (0..threads).into_par_iter().for_each(|i| {
+                std::hint::black_box(i);
+            })
+        };
+        let reps = 2000;
+        let t = Instant::now();
+        if inside {
+            rayon::scope(|_| (0..reps).for_each(|_| empty()));
+        } else {
+            (0..reps).for_each(|_| empty());
+        }
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    };
+    println!(
+        "an empty parallel region: {:.1} µs from the calling thread, {:.1} µs from a worker",
+        region(false),
+        region(true)
+    );
+    for f in files {
+        let be = CpuBackend::int8();
+        let m = Model::open(&be, f).with_context(|| format!("loading {}", f.display()))?;
+        let cfg = &m.cfg;
+        let streamed = streamed_bytes(&m.file);
+        let mut st = m.new_state(&be);
+        let p = prompt(128);
+        m.forward(&be, &mut st, &p, false)?;
+        // The step from this thread, as the engine runs it (every parallel region an injection
+        // into the pool), and from a worker of the pool (a region is a push onto its deque).
+        let mut logits = None;
+        let mut tok = 256u32;
+        let mut steps = |logits: &mut Option<_>| {
+            let sw = voluntary_switches();
+            let ms = time_ms(decode, || {
+                let out = m.forward(&be, &mut st, &[tok], false).expect("decode step");
+                tok = be.argmax_rows(&out.logits)[0] % 200 + 256;
+                *logits = Some(out.logits);
+            });
+            (ms, (voluntary_switches() - sw) as f64 / decode as f64)
+        };
+        // Three rounds, the two taking turns (a shared machine's load comes and goes).
+        let (mut out_ms, mut in_ms) = (Vec::new(), Vec::new());
+        let (mut switches, mut worker_sw) = (0.0, 0.0);
+        for _ in 0..3 {
+            let o = steps(&mut logits);
+            let i = rayon::scope(|_| steps(&mut logits));
+            (switches, worker_sw) = (o.1, i.1);
+            out_ms.push(o.0);
+            in_ms.push(i.0);
+        }
+        let (step, worker) = (median(out_ms), median(in_ms));
+        let logits = logits.context("no decode step ran")?;
+        let argmax = time_ms(decode, || {
+            std::hint::black_box(be.argmax_rows(&logits));
+        });
+        // Each class's products over every layer, with a step's input shapes.
+        let row = |cols: usize| {
+            let x: Vec<f32> = (0..cols)
+                .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+                .collect();
+            be.from_host(&x, 1, cols)
+        };
+        let (h, ff, attn) = (
+            row(cfg.n_embd),
+            row(cfg.n_ff),
+            row(cfg.n_head * cfg.head_dim),
+        );
+        let gdn_y = row(cfg.ssm_inner);
+        let w = &m.w;
+        // Each class: the groups of matrices one step multiplies together, and their input.
+        type Group<'a> = Vec<&'a tern::backend::cpu::Weight>;
+        let mut sets: Vec<(&str, Vec<Group>, &tern::backend::cpu::Tensor)> = vec![
+            ("GDN in (qkv, gate, beta, alpha)", Vec::new(), &h),
+            ("GDN out (ssm_out)", Vec::new(), &gdn_y),
+            ("attention in (q, k, v)", Vec::new(), &h),
+            ("attention out (o)", Vec::new(), &attn),
+            ("FFN gate + up", Vec::new(), &h),
+            ("FFN down", Vec::new(), &ff),
+            ("output head", vec![vec![&w.output]], &h),
+        ];
+        for l in &w.layers {
+            match &l.mixer {
+                Mixer::Gdn(g) => {
+                    sets[0].1.push(vec![&g.qkv, &g.gate, &g.beta, &g.alpha]);
+                    sets[1].1.push(vec![&g.out]);
+                }
+                Mixer::Attn(a) => {
+                    sets[2].1.push(vec![&a.q, &a.k, &a.v]);
+                    sets[3].1.push(vec![&a.o]);
+                }
+            }
+            sets[4].1.push(vec![&l.ffn_gate, &l.ffn_up]);
+            sets[5].1.push(vec![&l.ffn_down]);
+        }
+        // Each class as a step runs it (`matmul_many` per group) and, where a group has
+        // several matrices, one `matmul` (one parallel region) per matrix, in turns.
+        let mut apart: Vec<(&str, f64)> = Vec::new();
+        let classes: Vec<(&str, f64, u64)> = sets
+            .iter()
+            .map(|(name, groups, x)| {
+                let (mut fused, mut each) = (Vec::new(), Vec::new());
+                for _ in 0..3 {
+                    fused.push(time_ms(decode, || {
+                        for g in groups {
+                            std::hint::black_box(be.matmul_many(g, x));
+                        }
+                    }));
+                    if groups.iter().any(|g| g.len() > 1) {
+                        each.push(time_ms(decode, || {
+                            for w in groups.iter().flatten() {
+                                std::hint::black_box(be.matmul(w, x));
+                            }
+                        }));
+                    }
+                }
+                if !each.is_empty() {
+                    apart.push((name, median(each)));
+                }
+                let ms = median(fused);
+                let bytes = groups
+                    .iter()
+                    .flatten()
+                    .map(|w| {
+                        let b = be.weight_bytes(w);
+                        b.mapped + b.owned
+                    })
+                    .sum();
+                (*name, ms, bytes)
+            })
+            .collect();
+        let matmul: f64 = classes.iter().map(|c| c.1).sum();
+        println!(
+            "\n{}: {:.1} MB read per token, {threads} threads",
+            f.display(),
+            streamed as f64 / 1e6
+        );
+        println!(
+            "{:<36} {:>9} {:>7} {:>9} {:>7}",
+            "part of a decode step", "ms", "share", "MB", "GB/s"
+        );
+        for (name, ms, mb) in classes.iter().copied().chain([
+            (
+                "matmul, all classes",
+                matmul,
+                classes.iter().map(|c| c.2).sum(),
+            ),
+            ("the rest (norms, mixers, wake-ups)", step - matmul, 0),
+            ("argmax of the logits", argmax, 0),
+            ("whole step (forward + argmax)", step, 0),
+            ("the step from a worker of the pool", worker, 0),
+        ]) {
+            let rate = if mb > 0 {
+                format!("{:>9.1} {:>7.2}", mb as f64 / 1e6, mb as f64 / ms / 1e6)
+            } else {
+                String::new()
+            };
+            println!("{name:<36} {ms:>9.2} {:>6.1}% {rate}", 100.0 * ms / step);
+        }
+        for (name, ms) in &apart {
+            println!("{name}, one region per matrix: {ms:.2} ms");
+        }
+        println!(
+            "weights streamed at {:.2} GB/s over the whole step, {:.2} GB/s over its matmuls; \
+             voluntary context switches per step: {switches:.0} ({worker_sw:.0} from a worker)",
+            streamed as f64 / step / 1e6,
+            streamed as f64 / matmul / 1e6
+        );
+    }
+    println!("{}", load_average());
+    Ok(())
+}
