@@ -490,6 +490,17 @@ fn thread_cpu_s() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
 }
 
+/// The least of three runs of `f`, in this thread's CPU seconds.
+fn best_cpu_s(mut f: impl FnMut()) -> f64 {
+    (0..3)
+        .map(|_| {
+            let t = thread_cpu_s();
+            f();
+            thread_cpu_s() - t
+        })
+        .fold(f64::MAX, f64::min)
+}
+
 /// The serving path's integer kernels (`quant::int8`) on the same matrices, for 1 to 4
 /// activation rows per weight row and every instruction set the CPU has: GB/s of weight bytes
 /// per second of this thread's CPU time.
@@ -506,17 +517,14 @@ fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
         let acts = QActs::quantize(ty, &xs, cols);
         for isa in int8::isas() {
             for n in 1..=4usize {
-                let mut best = f64::MAX;
                 let mut out = [0f32; 4];
-                for _ in 0..3 {
-                    let t = thread_cpu_s();
+                let best = best_cpu_s(|| {
                     for r in 0..rows {
                         let w = &m[r * row.len()..(r + 1) * row.len()];
                         int8::dot_rows_isa(w, &acts, 0, &mut out[..n], isa);
                         std::hint::black_box(&out);
                     }
-                    best = best.min(thread_cpu_s() - t);
-                }
+                });
                 println!(
                     "{:<8} {:>12} {:>6} {:>12.2}",
                     ty.name(),
@@ -551,16 +559,13 @@ fn head_kernels() -> Result<()> {
         let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
         let acts = QActs::quantize(ty, &x, cols);
         for isa in int8::isas() {
-            let mut best = f64::MAX;
             let mut out = [0f32; 1];
-            for _ in 0..3 {
-                let t = thread_cpu_s();
+            let best = best_cpu_s(|| {
                 for w in m.chunks_exact(row.len()) {
                     int8::dot_rows_isa(w, &acts, 0, &mut out, isa);
                     std::hint::black_box(&out);
                 }
-                best = best.min(thread_cpu_s() - t);
-            }
+            });
             println!(
                 "{:<8} {:>12} {:>12.2}",
                 ty.name(),
@@ -596,16 +601,7 @@ fn tiled_kernels(src: &[f32]) -> Result<()> {
                 .collect();
             let acts = QActs::quantize(ty, &xs, cols);
             let mut out = vec![0f32; toks * rows];
-            let time = |f: &mut dyn FnMut()| {
-                (0..3)
-                    .map(|_| {
-                        let t = thread_cpu_s();
-                        f();
-                        thread_cpu_s() - t
-                    })
-                    .fold(f64::MAX, f64::min)
-            };
-            let grouped = time(&mut || {
+            let grouped = best_cpu_s(|| {
                 for t0 in (0..toks).step_by(MAX_ROWS) {
                     let n = MAX_ROWS.min(toks - t0);
                     for (r, w) in m.chunks_exact(row.len()).enumerate() {
@@ -616,7 +612,7 @@ fn tiled_kernels(src: &[f32]) -> Result<()> {
                 std::hint::black_box(&out);
             });
             let mut panel = Panel::default();
-            let tiled = time(&mut || {
+            let tiled = best_cpu_s(|| {
                 let acts = TiledActs::new(&acts);
                 panel.decode(ty, &m, rows, cols);
                 int8::gemm_isa(&panel, &acts, 0, toks, &mut out, Isa::Avx512Vnni);

@@ -897,13 +897,7 @@ impl Backend for CpuBackend {
         w: &GdnWeights<'_, Weight>,
         st: &mut Recurrent,
     ) -> Tensor {
-        let w = gdn::Weights {
-            conv_taps: w.conv.dense_t(),
-            dt_bias: w.dt_bias.dense(),
-            ssm_a: w.ssm_a.dense(),
-            norm: w.norm.dense(),
-        };
-        gdn::gdn(p, mixed, z, b, a, &w, st)
+        gdn::gdn(p, mixed, z, b, a, &gdn_weights(w), st)
     }
 
     fn gdn_batch(
@@ -916,13 +910,7 @@ impl Backend for CpuBackend {
         w: &GdnWeights<'_, Weight>,
         seqs: &mut [super::GdnSeq<'_, Recurrent>],
     ) -> Tensor {
-        let w = gdn::Weights {
-            conv_taps: w.conv.dense_t(),
-            dt_bias: w.dt_bias.dense(),
-            ssm_a: w.ssm_a.dense(),
-            norm: w.norm.dense(),
-        };
-        gdn::gdn_batch(p, mixed, z, b, a, &w, seqs)
+        gdn::gdn_batch(p, mixed, z, b, a, &gdn_weights(w), seqs)
     }
 
     fn argmax_rows(&self, x: &Tensor) -> Vec<u32> {
@@ -1031,6 +1019,16 @@ impl Backend for CpuBackend {
                 }
             });
         attention::attend_full(&q, &k, &qkv.data[2 * width..], 3 * width, n, n_head, hd)
+    }
+}
+
+/// The GDN core's dense views of a layer's small weights.
+fn gdn_weights<'a>(w: &'a GdnWeights<'_, Weight>) -> gdn::Weights<'a> {
+    gdn::Weights {
+        conv_taps: w.conv.dense_t(),
+        dt_bias: w.dt_bias.dense(),
+        ssm_a: w.ssm_a.dense(),
+        norm: w.norm.dense(),
     }
 }
 
