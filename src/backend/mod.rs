@@ -255,6 +255,18 @@ pub trait Backend: Send + Sync {
 
     fn name(&self) -> &'static str;
 
+    /// Runs `f`, a whole forward step of many ops, where the backend's ops run best. The CPU
+    /// backend runs it on a worker of its rayon pool with the other workers kept busy-waiting
+    /// for the step's jobs until it ends (cpu/step.rs): ~140 parallel regions a decode step,
+    /// each of which would otherwise park and wake threads (tens of µs on a VM). Others run
+    /// `f` here.
+    fn run_step<R: Send>(f: impl FnOnce() -> R + Send) -> R
+    where
+        Self: Sized,
+    {
+        f()
+    }
+
     fn upload(&self, w: &WeightSource) -> Result<Self::W, BackendError>;
     /// What `upload` allocated for `w` (the boot ledger's weights line).
     fn weight_bytes(&self, w: &Self::W) -> WeightBytes;

@@ -323,7 +323,9 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         all_rows: bool,
     ) -> Result<Output<B::T>, ModelError> {
-        self.forward_one(be, st, tokens, None, all_rows)
+        // Where the backend runs a step best (the CPU: on a worker of its pool, see
+        // `Backend::run_step`); the engine's steps are there already.
+        B::run_step(|| self.forward_one(be, st, tokens, None, all_rows))
     }
 
     /// One sequence's batch: `tokens`, or an image's rows.

@@ -927,10 +927,12 @@ impl<B: Backend> Worker<B> {
             } else {
                 self.pools.batch.clone()
             };
-            // A bug in a step must fail the requests in flight, not kill the engine.
+            // A bug in a step must fail the requests in flight, not kill the engine. The step
+            // runs where the backend runs a step best (on the CPU: on a worker of the pool,
+            // the others kept hot until it ends).
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match &pool {
-                Some(p) => p.install(|| self.step()),
-                None => self.step(),
+                Some(p) => p.install(|| B::run_step(|| self.step())),
+                None => B::run_step(|| self.step()),
             }))
             .unwrap_or_else(|p| {
                 Err(EngineError::Model(format!(

@@ -28,6 +28,7 @@ mod attention;
 mod gdn;
 mod gemm;
 mod math;
+mod step;
 
 /// The CPU backend. `new` is the f32 reference (`tern logits`, the golden tests,
 /// `--cpu-exact`); `int8` quantizes each matmul's activations to int8 and runs the integer
@@ -497,6 +498,10 @@ impl Backend for CpuBackend {
 
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn run_step<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+        step::run(f)
     }
 
     fn upload(&self, w: &WeightSource) -> Result<Weight, BackendError> {
