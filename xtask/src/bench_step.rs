@@ -1,11 +1,11 @@
 //! `cargo xtask bench --step [--decode N] [FILE...]`: where the wall time of a one-row decode
 //! step goes on the CPU serving path (int8 activations), against the memory roofline.
 //!
-//! Per file: the bytes a token reads, the step's median wall time (from the calling thread as
-//! the engine runs it, and from a worker of the pool), and the same matrices run class by class
-//! (the products a step runs, with its inputs' shapes; grouped as `matmul_many` runs them and
-//! one matrix at a time) so that the step splits into matmul time per class and the rest
-//! (norms, the mixers' cores, rayon's wake-ups). The roofline is what this machine's threads
+//! Per file: the bytes a token reads, the step's median wall time, and the same matrices run
+//! class by class (the products a step runs, with its inputs' shapes; grouped as
+//! `matmul_many` runs them and one matrix at a time) so that the step splits into matmul time
+//! per class and the rest (norms, the mixers' cores, rayon's wake-ups), and of the rest the
+//! GDN cores against their state's bytes. The roofline is what this machine's threads
 //! stream from memory in a plain read loop. Wall time on a shared machine measures the
 //! neighbours too: the load average is printed beside it.
 
@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 use tern::backend::cpu::CpuBackend;
-use tern::backend::Backend;
+use tern::backend::{Backend, GdnWeights};
 use tern::model::weights::Mixer;
 use tern::model::Model;
 
@@ -122,30 +122,21 @@ pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
         let mut st = m.new_state(&be);
         let p = prompt(128);
         m.forward(&be, &mut st, &p, false)?;
-        // The step from this thread, as the engine runs it (every parallel region an injection
-        // into the pool), and from a worker of the pool (a region is a push onto its deque).
+        // `Model::forward` runs the step as `Backend::run_step` does: on a worker of the pool,
+        // the other workers kept hot (each part below is timed the same way).
         let mut logits = None;
         let mut tok = 256u32;
-        let mut steps = |logits: &mut Option<_>| {
+        let (mut step_ms, mut switches) = (Vec::new(), 0.0);
+        for _ in 0..3 {
             let sw = voluntary_switches();
-            let ms = time_ms(decode, || {
+            step_ms.push(time_ms(decode, || {
                 let out = m.forward(&be, &mut st, &[tok], false).expect("decode step");
                 tok = be.argmax_rows(&out.logits)[0] % 200 + 256;
-                *logits = Some(out.logits);
-            });
-            (ms, (voluntary_switches() - sw) as f64 / decode as f64)
-        };
-        // Three rounds, the two taking turns (a shared machine's load comes and goes).
-        let (mut out_ms, mut in_ms) = (Vec::new(), Vec::new());
-        let (mut switches, mut worker_sw) = (0.0, 0.0);
-        for _ in 0..3 {
-            let o = steps(&mut logits);
-            let i = rayon::scope(|_| steps(&mut logits));
-            (switches, worker_sw) = (o.1, i.1);
-            out_ms.push(o.0);
-            in_ms.push(i.0);
+                logits = Some(out.logits);
+            }));
+            switches = (voluntary_switches() - sw) as f64 / decode as f64;
         }
-        let (step, worker) = (median(out_ms), median(in_ms));
+        let step = median(step_ms);
         let logits = logits.context("no decode step ran")?;
         let argmax = time_ms(decode, || {
             std::hint::black_box(be.argmax_rows(&logits));
@@ -197,16 +188,20 @@ pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
             .map(|(name, groups, x)| {
                 let (mut fused, mut each) = (Vec::new(), Vec::new());
                 for _ in 0..3 {
-                    fused.push(time_ms(decode, || {
-                        for g in groups {
-                            std::hint::black_box(be.matmul_many(g, x));
-                        }
+                    fused.push(CpuBackend::run_step(|| {
+                        time_ms(decode, || {
+                            for g in groups {
+                                std::hint::black_box(be.matmul_many(g, x));
+                            }
+                        })
                     }));
                     if groups.iter().any(|g| g.len() > 1) {
-                        each.push(time_ms(decode, || {
-                            for w in groups.iter().flatten() {
-                                std::hint::black_box(be.matmul(w, x));
-                            }
+                        each.push(CpuBackend::run_step(|| {
+                            time_ms(decode, || {
+                                for w in groups.iter().flatten() {
+                                    std::hint::black_box(be.matmul(w, x));
+                                }
+                            })
                         }));
                     }
                 }
@@ -225,6 +220,32 @@ pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
                 (*name, ms, bytes)
             })
             .collect();
+        // The GDN cores of a step (every GDN layer, one row, on the decoded states): each
+        // reads and writes its layer's state once.
+        let gp = cfg.gdn_params();
+        let (mixed, z) = (row(gp.conv_dim()), row(gp.n_v * gp.d));
+        let (beta, alpha) = (row(gp.n_v), row(gp.n_v));
+        let mut cores = Vec::new();
+        for _ in 0..3 {
+            cores.push(CpuBackend::run_step(|| {
+                time_ms(decode, || {
+                    for (l, rs) in w.layers.iter().zip(st.rs.iter_mut()) {
+                        if let (Mixer::Gdn(g), Some(rs)) = (&l.mixer, rs.as_mut()) {
+                            let gw = GdnWeights {
+                                conv: &g.conv,
+                                dt_bias: &g.dt_bias,
+                                ssm_a: &g.ssm_a,
+                                norm: &g.norm,
+                            };
+                            std::hint::black_box(be.gdn(&gp, &mixed, &z, &beta, &alpha, &gw, rs));
+                        }
+                    }
+                })
+            }));
+        }
+        let gdn_ms = median(cores);
+        let gdn_layers = st.rs.iter().flatten().count();
+        let state_bytes = (gdn_layers * gp.ssm_state_len() * 4) as f64;
         let matmul: f64 = classes.iter().map(|c| c.1).sum();
         println!(
             "\n{}: {:.1} MB read per token, {threads} threads",
@@ -244,7 +265,6 @@ pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
             ("the rest (norms, mixers, wake-ups)", step - matmul, 0),
             ("argmax of the logits", argmax, 0),
             ("whole step (forward + argmax)", step, 0),
-            ("the step from a worker of the pool", worker, 0),
         ]) {
             let rate = if mb > 0 {
                 format!("{:>9.1} {:>7.2}", mb as f64 / 1e6, mb as f64 / ms / 1e6)
@@ -257,8 +277,14 @@ pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
             println!("{name}, one region per matrix: {ms:.2} ms");
         }
         println!(
+            "of the rest, the GDN cores ({gdn_layers} layers): {gdn_ms:.2} ms, their state \
+             ({:.1} MB) read and written at {:.2} GB/s",
+            state_bytes / 1e6,
+            2.0 * state_bytes / gdn_ms / 1e6
+        );
+        println!(
             "weights streamed at {:.2} GB/s over the whole step, {:.2} GB/s over its matmuls; \
-             voluntary context switches per step: {switches:.0} ({worker_sw:.0} from a worker)",
+             voluntary context switches per step: {switches:.0}",
             streamed as f64 / step / 1e6,
             streamed as f64 / matmul / 1e6
         );

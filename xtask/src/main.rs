@@ -58,8 +58,9 @@ const USAGE: &str = "usage: cargo xtask <task>
   bench --step [--decode N] [FILE...]
                         a one-row decode step's wall time split on the CPU serving path: matmul
                         ms per class of matrix (GDN/attention in and out, FFN, output head), the
-                        rest, argmax, context switches per step, against the read bandwidth of
-                        1 and all threads and the bytes a token reads; default files as bench
+                        rest, the GDN cores (ms, GB/s of state), argmax, context switches per
+                        step, against the read bandwidth of 1 and all threads and the bytes a
+                        token reads; default files as bench
   bench --vision [--no-llama] [--runs N] [--model F] [--mmproj F] [--image F]
                         image tokens/s of one encode on the CPU, tern vs llama.cpp (mtmd, the
                         Python binding) on the same projector and image (default: the fixtures'
