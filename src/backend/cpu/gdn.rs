@@ -115,7 +115,11 @@ pub(super) fn gdn_batch(
         };
         conv_new.push(
             kept.iter()
-                .map(|&n| (n..n + p.d_conv - 1).flat_map(x).copied().collect())
+                .map(|&n| {
+                    let mut c = Vec::with_capacity(p.conv_state_len());
+                    (n..n + p.d_conv - 1).for_each(|r| c.extend_from_slice(x(r)));
+                    c
+                })
                 .collect(),
         );
         let mut heads: Vec<Vec<&mut [f32]>> = (0..p.n_v).map(|_| Vec::new()).collect();
