@@ -25,11 +25,30 @@ thread_local! {
 /// hold that job up.
 const MAX_IDLE: Duration = Duration::from_millis(1);
 
-/// Runs `f` as one step on a worker of the current pool, the pool's other workers hot.
+/// Whether a step of this process runs hot now. One at a time: a step that several callers
+/// run at once (tests, a second engine) would otherwise run whole inside another's
+/// `keep_hot` job (it takes injected jobs too) and hold that step up until it ends.
+static HOT: AtomicBool = AtomicBool::new(false);
+
+/// Runs `f` as one step on a worker of the current pool, the pool's other workers hot; while
+/// another step runs hot, on this thread as before.
 pub(super) fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    if IN_STEP.get() {
+    if IN_STEP.get() || HOT.swap(true, Ordering::Acquire) {
         return f();
     }
+    // Released even when `f` panics.
+    struct Cool;
+    impl Drop for Cool {
+        fn drop(&mut self) {
+            HOT.store(false, Ordering::Release);
+        }
+    }
+    let _cool = Cool;
+    run_hot(f)
+}
+
+/// `run` without the one-at-a-time rule.
+fn run_hot<R: Send>(f: impl FnOnce() -> R + Send) -> R {
     let done = AtomicBool::new(false);
     rayon::scope(|s| {
         let step_thread = rayon::current_thread_index();
@@ -37,16 +56,15 @@ pub(super) fn run<R: Send>(f: impl FnOnce() -> R + Send) -> R {
             let done = &done;
             s.spawn(move |_| keep_hot(done, step_thread));
         }
-        IN_STEP.set(true);
-        // Reset even when `f` panics: the thread goes back to the pool.
-        struct Leave<'a>(&'a AtomicBool);
+        // Undone even when `f` panics: the thread goes back to the pool.
+        struct Leave<'a>(&'a AtomicBool, bool);
         impl Drop for Leave<'_> {
             fn drop(&mut self) {
-                IN_STEP.set(false);
+                IN_STEP.set(self.1);
                 self.0.store(true, Ordering::Release);
             }
         }
-        let _leave = Leave(&done);
+        let _leave = Leave(&done, IN_STEP.replace(true));
         f()
     })
 }
@@ -78,8 +96,9 @@ mod tests {
 
     #[test]
     fn a_step_runs_on_a_worker_and_a_step_inside_it_in_place() {
-        let (outer, inner) = run(|| {
+        let (outer, inner) = run_hot(|| {
             let outer = rayon::current_thread_index();
+            assert!(IN_STEP.get(), "the step's thread is marked");
             (outer, run(rayon::current_thread_index))
         });
         assert!(outer.is_some(), "the step runs on a worker of the pool");
@@ -93,7 +112,8 @@ mod tests {
         // the kept-hot workers and none deadlocks.
         let x: Vec<u64> = (0..10_000).collect();
         for step in 0..500u64 {
-            let got = run(|| {
+            // Both ways a step can run (another test may hold the hot one).
+            let sums = || {
                 (0..4u64)
                     .map(|r| {
                         x.par_chunks(64)
@@ -101,7 +121,12 @@ mod tests {
                             .sum::<u64>()
                     })
                     .sum::<u64>()
-            });
+            };
+            let got = if step % 2 == 0 {
+                run_hot(sums)
+            } else {
+                run(sums)
+            };
             let want: u64 = (0..4u64).map(|r| x.iter().sum::<u64>() * (r + step)).sum();
             assert_eq!(got, want);
         }
@@ -109,9 +134,9 @@ mod tests {
 
     #[test]
     fn a_panicking_step_reaches_the_caller_and_the_pool_goes_on() {
-        let r = std::panic::catch_unwind(|| run(|| panic!("bug in a step")));
+        let r = std::panic::catch_unwind(|| run_hot(|| panic!("bug in a step")));
         assert!(r.is_err());
         assert!(!IN_STEP.get());
-        assert_eq!(run(|| (0..100u32).into_par_iter().sum::<u32>()), 4950);
+        assert_eq!(run_hot(|| (0..100u32).into_par_iter().sum::<u32>()), 4950);
     }
 }
