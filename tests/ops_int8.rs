@@ -200,8 +200,9 @@ fn int8_tiled_product_matches_the_integer_reference_on_every_isa() {
     }
 }
 
-/// Prefill's one-pass quantizer (`TiledActs::quantize`) writes exactly what quantizing then
-/// tiling writes, on every instruction set: rounding ties (levels that land on .5, both signs),
+/// Prefill's one-pass quantizer (`TiledActs::quantize`) writes exactly what the scalar
+/// quantizer then tiling writes, and decode's (`QActs::quantize_isa`) what the scalar one
+/// writes, on every instruction set: rounding ties (levels that land on .5, both signs),
 /// all-zero rows, a block of subnormals (its inverse step overflows), NaN and infinite
 /// elements, partial groups of 16 blocks, 1 to 9 and 63/65/129 rows.
 #[test]
@@ -234,9 +235,21 @@ fn int8_tiled_quantizer_matches_quantize_then_tile_bit_for_bit() {
                     x[3 * k] = f32::INFINITY;
                     x[3 * k + 1] = -3.0;
                 }
-                let want = TiledActs::new(&QActs::quantize(ty, &x, k));
+                let plain = QActs::quantize_isa(ty, &x, k, Isa::Portable);
+                let want = TiledActs::new(&plain);
                 let (wq, wd, wo) = want.contents();
                 for &isa in &int8::isas() {
+                    // The serving path's own quantizer (decode's activations) too.
+                    let a = QActs::quantize_isa(ty, &x, k, isa);
+                    let ((gq, gd, go), (pq, pd, po)) = (a.contents(), plain.contents());
+                    assert_eq!(gq, pq, "{ty} {isa:?} k={k} rows={rows}: QActs levels");
+                    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(gd), bits(pd), "{ty} {isa:?} k={k} rows={rows}: scales");
+                    assert_eq!(
+                        bits(go),
+                        bits(po),
+                        "{ty} {isa:?} k={k} rows={rows}: zero terms"
+                    );
                     let got = TiledActs::quantize_isa(ty, &x, k, isa);
                     let (gq, gd, go) = got.contents();
                     assert_eq!(gq, wq, "{ty} {isa:?} k={k} rows={rows}: levels");
@@ -371,6 +384,62 @@ fn int8_rows_are_bit_identical_alone_and_in_a_group() {
                 let mut one = [0f32];
                 int8::dot_rows_isa(&w, &acts, t, &mut one, isa);
                 assert_eq!(one[0].to_bits(), g.to_bits(), "{ty} {isa:?} row {t}");
+            }
+        }
+    }
+}
+
+/// The decode step's span kernel (`int8::dot_span_isa`: one activation row against a run of
+/// weight rows) gives each row bit for bit what `dot_rows` gives it alone, on every instruction
+/// set (so a sequence decodes the same in a step of its own as in a batch), and agrees with the
+/// f64 reference of the integer arithmetic: odd and even block counts (a last single block
+/// after the two-block steps, a block boundary + 1), spans of 0 to 9 rows, an activation row
+/// past the first.
+#[test]
+fn int8_span_kernels_match_dot_rows_bit_for_bit_on_every_isa() {
+    let mut rng = Rng(0x5a4e_0001);
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let ks: &[usize] = match ty {
+            Q8_0 | Q4_0 => &[32, 64, 96, 1056, 3584],
+            _ => &[128, 256, 384, 1024, 1152, 2048],
+        };
+        for &k in ks {
+            let n_out = 9;
+            let w = random_rows(&mut rng, ty, k, n_out);
+            let rb = w.len() / n_out;
+            let mut wf = vec![0f32; n_out * k];
+            for (r, row) in wf.chunks_exact_mut(k).enumerate() {
+                dequantize_row(ty, &w[r * rb..(r + 1) * rb], row).unwrap();
+            }
+            let x = random_acts(&mut rng, 3 * k);
+            let xr = rounded(ty, &x);
+            let acts = QActs::quantize(ty, &x, k);
+            for &isa in &int8::isas() {
+                for t in [0, 2] {
+                    for (r0, n) in [(0, 0), (0, 1), (3, 2), (1, 7), (0, 9)] {
+                        let mut got = vec![f32::NAN; n];
+                        int8::dot_span_isa(&w[r0 * rb..(r0 + n) * rb], &acts, t, &mut got, isa);
+                        for (i, &g) in got.iter().enumerate() {
+                            let r = r0 + i;
+                            let mut one = [0f32];
+                            int8::dot_rows_isa(&w[r * rb..(r + 1) * rb], &acts, t, &mut one, isa);
+                            assert_eq!(
+                                g.to_bits(),
+                                one[0].to_bits(),
+                                "{ty} {isa:?} k={k} row {r} of span {r0}+{n}, x row {t}: {g} vs {}",
+                                one[0]
+                            );
+                            let (wr, xt) = (&wf[r * k..(r + 1) * k], &xr[t * k..(t + 1) * k]);
+                            let want: f64 = wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b).sum();
+                            let mag: f64 =
+                                wr.iter().zip(xt).map(|(&a, &b)| (a as f64 * b).abs()).sum();
+                            assert!(
+                                (g as f64 - want).abs() <= 1e-5 * mag + 1e-6,
+                                "{ty} {isa:?} k={k} row {r}, x row {t}: {g} vs {want} (|terms| {mag})"
+                            );
+                        }
+                    }
+                }
             }
         }
     }

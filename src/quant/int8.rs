@@ -99,6 +99,12 @@ impl QActs {
     /// Quantizes `x` (`rows` of `k`, `k` a whole number of `ty`'s blocks) for weights of type
     /// `ty`: per block, `d = max |x| / 127` and `q = round(x / d)`.
     pub fn quantize(ty: GgmlType, x: &[f32], k: usize) -> QActs {
+        QActs::quantize_isa(ty, x, k, Isa::Avx512Vbmi)
+    }
+
+    /// [`QActs::quantize`] with the kernels of `isa` at most: the same levels, scales and
+    /// zero-point terms bit for bit whichever runs.
+    pub fn quantize_isa(ty: GgmlType, x: &[f32], k: usize, isa: Isa) -> QActs {
         assert!(supported(ty), "QActs: no integer kernels for {ty}");
         let qk = act_block(ty);
         assert!(
@@ -124,7 +130,17 @@ impl QActs {
             o16: Vec::new(),
         };
         let nbr = k / qk;
+        #[cfg(target_arch = "x86_64")]
+        let vector = isa >= Isa::Avx512Vnni && super::x86_int8::vnni();
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = isa;
         let row = |x: &[f32], q: &mut [i8], d: &mut [f32], o: &mut [f32]| {
+            #[cfg(target_arch = "x86_64")]
+            if vector {
+                // SAFETY: AVX-512 F and BW (part of `vnni`) checked above; the row's buffers
+                // are whole blocks of `qk` (16 or 128).
+                return unsafe { super::x86_int8::quantize_row(qk, z, interleave, x, q, d, o) };
+            }
             quantize_row(qk, z, interleave, x, q, d, o)
         };
         // One row (a decode step) is quicker than a fork.
@@ -159,6 +175,11 @@ impl QActs {
         self.rows
     }
 
+    /// The levels, scales and zero-point terms (for the tests).
+    pub fn contents(&self) -> (&[i8], &[f32], &[f32]) {
+        (&self.qs, &self.d, &self.o)
+    }
+
     /// The levels of row `t`.
     pub(super) fn row(&self, t: usize) -> &[i8] {
         &self.qs[t * self.k..(t + 1) * self.k]
@@ -176,6 +197,9 @@ pub enum Isa {
     Portable,
     Avx2,
     Avx512Vnni,
+    /// VNNI with VBMI's byte permutes (Ice Lake and later): the one-row kernels' PQ2_0 code
+    /// planes by table lookup.
+    Avx512Vbmi,
 }
 
 /// The kernels this CPU can run, the best last.
@@ -188,6 +212,9 @@ pub fn isas() -> Vec<Isa> {
         }
         if super::x86_int8::vnni() {
             v.push(Isa::Avx512Vnni);
+        }
+        if super::x86_int8::vbmi() {
+            v.push(Isa::Avx512Vbmi);
         }
     }
     v
@@ -255,6 +282,43 @@ pub fn dot_rows_isa(row: &[u8], acts: &QActs, t0: usize, out: &mut [f32], isa: I
     let _ = isa;
     for (i, o) in out.iter_mut().enumerate() {
         *o = dot_portable(row, acts, t0 + i);
+    }
+}
+
+/// `out[r] = row r · x[t]` for `out.len()` stored rows of the activations' weight type laid
+/// back to back in `rows` (a task's slice of a matrix) against one activation row: a decode
+/// step's product. Each result is bit for bit what [`dot_rows`] gives for that row alone, so a
+/// sequence decodes the same alone and in a batch; the kernel is chosen and the shapes checked
+/// once per span, not once per row, which on the short rows of small models (a ternary row of
+/// 1,024 is 272 bytes) cost as much as the row's arithmetic.
+pub fn dot_span(rows: &[u8], acts: &QActs, t: usize, out: &mut [f32]) {
+    dot_span_isa(rows, acts, t, out, Isa::Avx512Vbmi)
+}
+
+/// [`dot_span`] with the kernels of `isa` at most.
+pub fn dot_span_isa(rows: &[u8], acts: &QActs, t: usize, out: &mut [f32], isa: Isa) {
+    assert!(t < acts.rows, "int8::dot_span: row {t} of {}", acts.rows);
+    let rb = acts
+        .ty
+        .row_bytes(acts.k as u64)
+        .expect("QActs::quantize admits whole blocks only") as usize;
+    assert_eq!(
+        rows.len(),
+        rb * out.len(),
+        "int8::dot_span: {} bytes for {} {} rows of {}",
+        rows.len(),
+        out.len(),
+        acts.ty,
+        acts.k
+    );
+    #[cfg(target_arch = "x86_64")]
+    if super::x86_int8::dot_span(rows, rb, acts, t, out, isa) {
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    for (o, row) in out.iter_mut().zip(rows.chunks_exact(rb)) {
+        *o = dot_portable(row, acts, t);
     }
 }
 
@@ -547,9 +611,7 @@ impl TiledActs {
                 });
             return t;
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = isa;
-        TiledActs::new(&QActs::quantize(ty, x, k))
+        TiledActs::new(&QActs::quantize_isa(ty, x, k, isa))
     }
 
     pub fn new(a: &QActs) -> TiledActs {

@@ -20,6 +20,10 @@ pub(super) fn vnni() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
+pub(super) fn vbmi() -> bool {
+    vnni() && is_x86_feature_detected!("avx512vbmi")
+}
+
 pub(super) fn avx2() -> bool {
     is_x86_feature_detected!("avx2")
         && is_x86_feature_detected!("fma")
@@ -66,6 +70,218 @@ pub(super) fn dot_rows(row: &[u8], acts: &QActs, t0: usize, out: &mut [f32], isa
     }
     false
 }
+
+/// [`int8::dot_span_isa`](super::int8::dot_span_isa)'s kernels: `out[r]` = the row of `rb`
+/// bytes at `rows[r * rb..]` against activation row `t`, one kernel choice for the span; false
+/// when the CPU (or `isa`) has none. The caller checked the shapes.
+pub(super) fn dot_span(
+    rows: &[u8],
+    rb: usize,
+    acts: &QActs,
+    t: usize,
+    out: &mut [f32],
+    isa: Isa,
+) -> bool {
+    macro_rules! span {
+        ($kernel:ident) => {{
+            // SAFETY: the feature check above the call; `rows` holds `out.len()` rows of `rb`
+            // bytes and `t` is a row of the activations (`int8::dot_span_isa`).
+            unsafe { $kernel(rows, rb, acts, t, out) };
+            return true;
+        }};
+    }
+    use GgmlType::*;
+    if isa >= Isa::Avx512Vbmi && vbmi() && matches!(acts.ty, PQ2_0 | Q2_0Legacy) {
+        span!(pq2_0_vbmi_span)
+    }
+    if isa >= Isa::Avx512Vnni && vnni() {
+        match acts.ty {
+            Q8_0 => span!(q8_0_vnni_span),
+            PQ2_0 | Q2_0Legacy => span!(pq2_0_vnni_span),
+            PTQ1_0 => span!(ptq1_0_vnni_span),
+            _ => {}
+        }
+    }
+    if isa >= Isa::Avx2 && avx2() {
+        match acts.ty {
+            Q8_0 => span!(q8_0_avx2_span),
+            Q4_0 => span!(q4_0_avx2_span),
+            PQ2_0 | Q2_0Legacy => span!(pq2_0_avx2_span),
+            PTQ1_0 => span!(ptq1_0_avx2_span),
+            _ => {}
+        }
+    }
+    false
+}
+
+/// A span kernel from a one-row kernel: the row loop inside the target-feature function, so
+/// the row kernel inlines into it (the same instructions per row as `dot_rows`, bit for bit)
+/// and the dispatch is paid once.
+macro_rules! span_of {
+    ($name:ident, $row:ident, $($feat:literal),+) => {
+        #[target_feature(enable = $($feat),+)]
+        unsafe fn $name(rows: &[u8], rb: usize, a: &QActs, t: usize, out: &mut [f32]) {
+            for (o, row) in out.chunks_exact_mut(1).zip(rows.chunks_exact(rb)) {
+                $row::<1>(row, a, t, o);
+            }
+        }
+    };
+}
+
+/// Words 0 and 17 of a 68-byte pair of 34-byte blocks, eight times each: the two blocks' f16
+/// scales in the lanes of their integer sums, by one `vpermw` of the pair's first 64 bytes
+/// (instead of two scalar loads, two broadcasts and an insert).
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn pair_scales34(blk: *const u8) -> __m512 {
+    let idx = _mm512_set_epi16(
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 17, 17, 17, 17, 17, 17, 17, 17, 0, 0, 0, 0,
+        0, 0, 0, 0,
+    );
+    let w = _mm512_permutexvar_epi16(idx, _mm512_loadu_si512(blk as *const _));
+    _mm512_cvtph_ps(_mm512_castsi512_si256(w))
+}
+
+/// Q8_0 over a span of rows: `q8_0_vnni::<1>`'s arithmetic (bit for bit), the pair's scales by
+/// [`pair_scales34`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_vnni_span(rows: &[u8], rb: usize, a: &QActs, t: usize, out: &mut [f32]) {
+    let (k, nb) = (a.k, a.k / 32);
+    let bias = _mm512_set1_epi8(-128);
+    let x = a.qs.as_ptr().add(t * k);
+    let (d8, o8) = (a.d8.as_ptr().add(t * nb * 8), a.o8.as_ptr().add(t * nb * 8));
+    for (o, row) in out.iter_mut().zip(rows.chunks_exact(rb)) {
+        let p = row.as_ptr();
+        let mut acc = _mm512_setzero_ps();
+        let mut b = 0;
+        while b + 2 <= nb {
+            let blk = p.add(b * 34);
+            prefetch_span(blk);
+            let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+            let w1 = _mm256_loadu_si256(blk.add(36) as *const __m256i);
+            let w = _mm512_xor_si512(
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1),
+                bias,
+            );
+            let dw = pair_scales34(blk);
+            let xv = _mm512_loadu_si512(x.add(b * 32) as *const _);
+            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
+            let dx = _mm512_loadu_ps(d8.add(b * 8));
+            let ov = _mm512_loadu_ps(o8.add(b * 8));
+            acc = _mm512_fmadd_ps(dw, _mm512_fmsub_ps(dx, s, ov), acc);
+            b += 2;
+        }
+        let mut r = _mm512_reduce_add_ps(acc);
+        if b < nb {
+            let blk = &row[b * 34..(b + 1) * 34];
+            let q = &a.row(t)[b * 32..(b + 1) * 32];
+            let s: i32 = blk[2..]
+                .iter()
+                .zip(q)
+                .map(|(&w, &x)| w as i8 as i32 * x as i32)
+                .sum();
+            r += f16_scalar(blk.as_ptr()) * (a.d[t * nb + b] * s as f32);
+        }
+        *o = r;
+    }
+}
+
+/// The PQ2_0 span kernels' loop, `pq2_0_vnni::<1>`'s arithmetic bit for bit (the integer sums
+/// are exact whatever order, and the float steps are the same), with the pair's scales by
+/// [`pair_scales34`] and the four code planes of the pair's 64 code bytes by `$planes`.
+macro_rules! pq2_0_span_body {
+    ($rows:expr, $rb:expr, $a:expr, $t:expr, $out:expr, $planes:expr) => {{
+        let (a, t) = ($a, $t);
+        let (k, nb) = (a.k, a.k / 128);
+        let np = nb / 2;
+        let m3 = _mm512_set1_epi8(3);
+        let x = a.pairs.as_ptr().add(t * k);
+        let (d16, o16) = (
+            a.d16.as_ptr().add(t * np * 16),
+            a.o16.as_ptr().add(t * np * 16),
+        );
+        for (o, row) in $out.iter_mut().zip($rows.chunks_exact($rb)) {
+            let mut acc = _mm512_setzero_ps();
+            for p in 0..np {
+                let blk = row.as_ptr().add(p * 68);
+                prefetch_span(blk);
+                let q = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(blk.add(2) as *const __m256i)),
+                    _mm256_loadu_si256(blk.add(36) as *const __m256i),
+                );
+                let c: [__m512i; 4] = $planes(q);
+                let dw = pair_scales34(blk);
+                let xv = |s: usize| _mm512_loadu_si512(x.add(p * 256 + 64 * s) as *const _);
+                let s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], xv(0));
+                let s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[2], xv(2));
+                let s01 = _mm512_dpbusd_epi32(s01, c[1], xv(1));
+                let s23 = _mm512_dpbusd_epi32(s23, c[3], xv(3));
+                let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s01, s23));
+                let dx = _mm512_loadu_ps(d16.add(p * 16));
+                let ov = _mm512_loadu_ps(o16.add(p * 16));
+                acc = _mm512_fmadd_ps(dw, _mm512_fmsub_ps(dx, s, ov), acc);
+            }
+            let mut off = [0f32; 1];
+            let mut acc = [acc];
+            if nb % 2 == 1 {
+                let b = nb - 1;
+                let blk = row.as_ptr().add(b * 34);
+                let sh01 = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+                let sh23 = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_set1_epi16(4)),
+                    _mm256_set1_epi16(6),
+                );
+                let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2) as *const __m256i));
+                let c = [
+                    _mm512_and_si512(_mm512_srlv_epi16(q, sh01), m3),
+                    _mm512_and_si512(_mm512_srlv_epi16(q, sh23), m3),
+                ];
+                codes128_vnni(c, f16_scalar(blk), a, t, b, &mut acc, &mut off);
+            }
+            *o = _mm512_reduce_add_ps(acc[0]) - off[0];
+        }
+    }};
+}
+
+/// PQ2_0 over a span of rows, the planes by immediate shifts and masks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn pq2_0_vnni_span(rows: &[u8], rb: usize, a: &QActs, t: usize, out: &mut [f32]) {
+    let m3 = _mm512_set1_epi8(3);
+    pq2_0_span_body!(rows, rb, a, t, out, |q: __m512i| [
+        _mm512_and_si512(q, m3),
+        _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
+        _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
+        _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
+    ])
+}
+
+/// PQ2_0 over a span of rows, the planes by `vpermb`: it indexes a 64-byte table by each byte's
+/// low six bits, so the tables `(i >> 2s) & 3` give planes 0 to 2 of the code bytes in one
+/// instruction each (no mask), and plane 3 is the top two bits shifted down first. Four
+/// instructions on the shuffle port plus one shift, against seven shifts and masks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn pq2_0_vbmi_span(rows: &[u8], rb: usize, a: &QActs, t: usize, out: &mut [f32]) {
+    let table = |s: usize| {
+        let v: [u8; 64] = std::array::from_fn(|i| ((i >> (2 * s)) & 3) as u8);
+        _mm512_loadu_si512(v.as_ptr() as *const _)
+    };
+    let (l0, l1, l2) = (table(0), table(1), table(2));
+    pq2_0_span_body!(rows, rb, a, t, out, |q: __m512i| [
+        _mm512_permutexvar_epi8(q, l0),
+        _mm512_permutexvar_epi8(q, l1),
+        _mm512_permutexvar_epi8(q, l2),
+        _mm512_permutexvar_epi8(_mm512_srli_epi16::<6>(q), l0),
+    ])
+}
+span_of!(
+    ptq1_0_vnni_span,
+    ptq1_0_vnni,
+    "avx512f,avx512bw,avx512vnni,avx2,fma,f16c"
+);
+span_of!(q8_0_avx2_span, q8_0_avx2, "avx2,fma,f16c");
+span_of!(q4_0_avx2_span, q4_0_avx2, "avx2,fma,f16c");
+span_of!(pq2_0_avx2_span, pq2_0_avx2, "avx2,fma,f16c");
+span_of!(ptq1_0_avx2_span, ptq1_0_avx2, "avx2,fma,f16c");
 
 #[inline(always)]
 unsafe fn f16_at(p: *const u8) -> u16 {
@@ -122,6 +338,18 @@ unsafe fn ptq1_0_codes(b: *const u8) -> [u8; 128] {
 /// below what the memory delivers (the next rows of a task follow the current one, so running
 /// past a row's end is useful too).
 const PREFETCH_BYTES: usize = 1024;
+
+/// How far ahead the span kernels (one activation row, a run of rows: a decode step) ask for
+/// the weights. Their stream runs on through the span's rows, so a longer reach pays: streaming
+/// 384 MiB through `dot_span` in 64 KiB tasks on the bench machine (thread-CPU GB/s, load 5-6,
+/// distances alternated, medians of 5), 1 KiB gave 6.7 GB/s on PQ2_0 and 7.9 on Q8_0 per
+/// thread, 2 KiB 7.8 and 8.7, 4 KiB 7.9 and 9.4, 8 and 16 KiB no more.
+const SPAN_PREFETCH_BYTES: usize = 4096;
+
+#[inline(always)]
+unsafe fn prefetch_span(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(SPAN_PREFETCH_BYTES) as *const i8);
+}
 
 #[inline(always)]
 unsafe fn prefetch(p: *const u8) {
@@ -397,11 +625,102 @@ unsafe fn tile_vnni<const M: usize, const N: usize>(
     }
 }
 
+/// One block of `int8::quantize_row` (16 to 128 elements): its levels in element order into
+/// `lv`, its scale and the sum of its levels, bit for bit. The rounding is `f32::round`'s, ties
+/// away from zero, not the vector unit's ties to even; a NaN level is 0 and an infinite one
+/// saturates, as Rust's `as i8` has them.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn quantize_block(xb: &[f32], lv: &mut [i8; 128]) -> (f32, i32) {
+    let nv = xb.len() / 16;
+    let xp = xb.as_ptr();
+    let sign = _mm512_set1_epi32(i32::MIN);
+    let (one, half) = (_mm512_set1_ps(1.0), _mm512_set1_ps(0.5));
+    let (lo, hi) = (_mm512_set1_ps(-128.0), _mm512_set1_ps(127.0));
+    // `abs` first: max_ps answers its second operand when one is NaN, so a NaN element is
+    // skipped as `f32::max` skips it.
+    let mut m = _mm512_setzero_ps();
+    for v in 0..nv {
+        m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xp.add(16 * v))), m);
+    }
+    let db = _mm512_reduce_max_ps(m) / 127.0;
+    let id = _mm512_set1_ps(if db > 0.0 { 1.0 / db } else { 0.0 });
+    let mut sum = _mm512_setzero_si512();
+    for v in 0..nv {
+        let y = _mm512_mul_ps(_mm512_loadu_ps(xp.add(16 * v)), id);
+        let y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(y, y), y);
+        let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+        let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_abs_ps(_mm512_sub_ps(y, t)), half);
+        let away = _mm512_castsi512_ps(_mm512_or_si512(
+            _mm512_and_si512(_mm512_castps_si512(y), sign),
+            _mm512_castps_si512(one),
+        ));
+        let r = _mm512_min_ps(_mm512_max_ps(_mm512_mask_add_ps(t, up, t, away), lo), hi);
+        let l = _mm512_cvtps_epi32(r);
+        sum = _mm512_add_epi32(sum, l);
+        _mm_storeu_si128(
+            lv.as_mut_ptr().add(16 * v) as *mut __m128i,
+            _mm512_cvtepi32_epi8(l),
+        );
+    }
+    (db, _mm512_reduce_add_epi32(sum))
+}
+
+/// A ternary block's 128 levels in PQ2_0's interleaved order: position `32s + m` takes element
+/// `4m + s`, byte `s` of the levels' dword `m`.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn interleave_block(lv: &[i8; 128], il: &mut [i8]) {
+    debug_assert_eq!(il.len(), 128);
+    for (h, half) in lv.chunks_exact(64).enumerate() {
+        let w = _mm512_loadu_si512(half.as_ptr() as *const _);
+        for s in 0..4 {
+            let p = _mm512_cvtepi32_epi8(_mm512_srl_epi32(w, _mm_cvtsi32_si128(8 * s)));
+            let at = il.as_mut_ptr().add(32 * s as usize + 16 * h);
+            _mm_storeu_si128(at as *mut __m128i, p);
+        }
+    }
+}
+
+/// `int8::quantize_row` bit for bit ([`quantize_block`]): a decode step's activations, which
+/// the scalar loop (`f32::round` a libm call per element without SSE4.1 in the baseline)
+/// quantized in microseconds per product while the other threads waited.
+///
+/// # Safety
+/// AVX-512 F and BW are available; `q` holds `x.len()` levels and `d`, `o` one value per block
+/// of `qk` (16 to 128, a multiple of 16; 128 where `interleave`).
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) unsafe fn quantize_row(
+    qk: usize,
+    z: f32,
+    interleave: bool,
+    x: &[f32],
+    q: &mut [i8],
+    d: &mut [f32],
+    o: &mut [f32],
+) {
+    let mut lv = [0i8; 128];
+    for (((xb, qb), d), o) in x
+        .chunks_exact(qk)
+        .zip(q.chunks_exact_mut(qk))
+        .zip(d.iter_mut())
+        .zip(o.iter_mut())
+    {
+        let (db, sum) = quantize_block(xb, &mut lv);
+        if interleave {
+            interleave_block(&lv, qb);
+        } else {
+            qb.copy_from_slice(&lv[..qk]);
+        }
+        *d = db;
+        *o = z * db * sum as f32;
+    }
+}
+
 /// Prefill's activations ([`TiledActs::quantize`]): one row, per block of `qk` the scale, the
-/// levels and the zero-point term of `int8::quantize_row` bit for bit, written straight into
-/// the tiled layout (`int8::Tiling`; PQ2_0's levels interleaved within each block
-/// first). The rounding is `f32::round`'s, ties away from zero, not the vector unit's ties to
-/// even; a NaN level is 0 and an infinite one saturates, as Rust's `as i8` has them.
+/// levels and the zero-point term of `int8::quantize_row` bit for bit ([`quantize_block`]),
+/// written straight into the tiled layout (`int8::Tiling`; PQ2_0's levels interleaved within
+/// each block first).
 ///
 /// # Safety
 /// AVX-512 F and BW are available; `q`, `d` and `o` hold whole groups of the row's blocks.
@@ -416,58 +735,20 @@ pub(super) unsafe fn quantize_tiled_row(
     o: &mut [f32],
 ) {
     let qk = tl.qk;
-    let nv = qk / 16;
     let (mut db_row, mut o_row) = (vec![0f32; tl.nb], vec![0f32; tl.nb]);
-    let sign = _mm512_set1_epi32(i32::MIN);
-    let (one, half) = (_mm512_set1_ps(1.0), _mm512_set1_ps(0.5));
-    let (lo, hi) = (_mm512_set1_ps(-128.0), _mm512_set1_ps(127.0));
     let mut lv = [0i8; 128];
     let mut il = [0i8; 128];
     for (b, xb) in x.chunks_exact(qk).enumerate() {
-        let xp = xb.as_ptr();
-        // `abs` first: max_ps answers its second operand when one is NaN, so a NaN element is
-        // skipped as `f32::max` skips it.
-        let mut m = _mm512_setzero_ps();
-        for v in 0..nv {
-            m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xp.add(16 * v))), m);
-        }
-        let db = _mm512_reduce_max_ps(m) / 127.0;
-        let id = _mm512_set1_ps(if db > 0.0 { 1.0 / db } else { 0.0 });
-        let mut sum = _mm512_setzero_si512();
-        for v in 0..nv {
-            let y = _mm512_mul_ps(_mm512_loadu_ps(xp.add(16 * v)), id);
-            let y = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(y, y), y);
-            let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
-            let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_abs_ps(_mm512_sub_ps(y, t)), half);
-            let away = _mm512_castsi512_ps(_mm512_or_si512(
-                _mm512_and_si512(_mm512_castps_si512(y), sign),
-                _mm512_castps_si512(one),
-            ));
-            let r = _mm512_min_ps(_mm512_max_ps(_mm512_mask_add_ps(t, up, t, away), lo), hi);
-            let l = _mm512_cvtps_epi32(r);
-            sum = _mm512_add_epi32(sum, l);
-            _mm_storeu_si128(
-                lv.as_mut_ptr().add(16 * v) as *mut __m128i,
-                _mm512_cvtepi32_epi8(l),
-            );
-        }
+        let (db, sum) = quantize_block(xb, &mut lv);
         let src = if interleave {
-            // Position 32s + m takes element 4m + s: byte s of the levels' dword m.
-            for (h, half) in lv.chunks_exact(64).enumerate() {
-                let w = _mm512_loadu_si512(half.as_ptr() as *const _);
-                for s in 0..4 {
-                    let p = _mm512_cvtepi32_epi8(_mm512_srl_epi32(w, _mm_cvtsi32_si128(8 * s)));
-                    let at = il.as_mut_ptr().add(32 * s as usize + 16 * h);
-                    _mm_storeu_si128(at as *mut __m128i, p);
-                }
-            }
+            interleave_block(&lv, &mut il);
             &il[..]
         } else {
             &lv[..qk]
         };
         tl.put(b, src, q);
         db_row[b] = db;
-        o_row[b] = z * db * _mm512_reduce_add_epi32(sum) as f32;
+        o_row[b] = z * db * sum as f32;
     }
     tl.spread(&db_row, d, true);
     tl.spread(&o_row, o, false);

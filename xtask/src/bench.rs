@@ -536,7 +536,75 @@ fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
         }
     }
     head_kernels()?;
+    span_kernels()?;
     tiled_kernels(src)
+}
+
+/// A decode step's products at bench-0.8b's shapes (row width and weight type), one activation
+/// row, single-threaded on a slice of about 1 MiB of rows that stays in L2 across the passes:
+/// the kernels' arithmetic ceiling in GB/s of weights, which a step's memory stream (9.3 GB/s
+/// on one thread of the bench machine, `bench --step`) must stay below for the product to be
+/// memory-bound. `dot_rows` row by row (a kernel choice and shape checks per row) beside
+/// `dot_span` over the slice (once per slice).
+pub fn span_kernels() -> Result<()> {
+    use tern::quant::int8::{self, QActs};
+    use tern::tensor::GgmlType::*;
+    println!(
+        "
+bench-0.8b decode shapes, 1 activation row, ~1 MiB of rows in L2, GB/s"
+    );
+    println!(
+        "{:<8} {:>6} {:>12} {:>10} {:>10} {:>7}",
+        "type", "cols", "isa", "dot_rows", "dot_span", "ratio"
+    );
+    for (ty, cols) in [
+        (Q8_0, 1024usize),
+        (Q8_0, 2048),
+        (Q8_0, 3584),
+        (PQ2_0, 1024),
+        (PQ2_0, 2048),
+        (PTQ1_0, 1024),
+    ] {
+        let x: Vec<f32> = (0..cols)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let src: Vec<f32> = (0..cols)
+            .map(|i| ((i * 104729) % 2000) as f32 / 1000.0 - 1.0)
+            .collect();
+        let row = tern::quant::quantize_row(ty, &src)?;
+        let rows = (1usize << 20) / row.len();
+        let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
+        let acts = QActs::quantize(ty, &x, cols);
+        let mut out = vec![0f32; rows];
+        for isa in int8::isas() {
+            // Ten passes per timing, so that a pass over 1 MiB is not lost in the clock's grain.
+            let each = best_cpu_s(|| {
+                for _ in 0..10 {
+                    for (w, o) in m.chunks_exact(row.len()).zip(out.chunks_exact_mut(1)) {
+                        int8::dot_rows_isa(w, &acts, 0, o, isa);
+                    }
+                    std::hint::black_box(&out);
+                }
+            });
+            let span = best_cpu_s(|| {
+                for _ in 0..10 {
+                    int8::dot_span_isa(&m, &acts, 0, &mut out, isa);
+                    std::hint::black_box(&out);
+                }
+            });
+            let gb = 10.0 * m.len() as f64 / 1e9;
+            println!(
+                "{:<8} {:>6} {:>12} {:>10.2} {:>10.2} {:>7.2}",
+                ty.name(),
+                cols,
+                format!("{isa:?}"),
+                gb / each,
+                gb / span,
+                each / span
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The row kernels for one activation row at the shape of bench-0.8b's tied output head

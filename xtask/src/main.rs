@@ -55,6 +55,9 @@ const USAGE: &str = "usage: cargo xtask <task>
                         round per depth (a 16k fill takes minutes); default files as bench
   bench --kernels       single-thread dot_row throughput per weight type; the int8 row
                         kernels for 1 to 4 rows and the tiled int8 product (G MAC/s)
+  bench --kernels --span
+                        only the decode-shape table: one activation row at bench-0.8b's row
+                        widths, in L2, per row (dot_rows) and per span (dot_span), GB/s
   bench --step [--decode N] [FILE...]
                         a one-row decode step's wall time split on the CPU serving path: matmul
                         ms per class of matrix (GDN/attention in and out, FFN, output head), the
@@ -236,6 +239,9 @@ fn main() -> Result<()> {
                 rounds: 1,
             };
             if args[1..].iter().any(|a| a == "--kernels") {
+                if args[1..].iter().any(|a| a == "--span") {
+                    return bench::span_kernels();
+                }
                 return bench::kernels();
             }
             if args[1..].iter().any(|a| a == "--step") {

@@ -13,6 +13,7 @@
 //! products), `attention` and `gdn` the two mixer cores, `math` the vectorized exp and the
 //! activations built on it.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use rayon::prelude::*;
@@ -181,18 +182,36 @@ fn products_int8_rows(jobs: &mut [(&Weight, &quant::int8::QActs, &mut Tensor)]) 
             (*w, *a, gemm::OutPtr(out.data.as_mut_ptr()))
         })
         .collect();
-    tasks.into_par_iter().for_each(|(j, r0, r1)| {
-        let (w, acts, dst) = (jobs[j].0, jobs[j].1, &jobs[j].2);
-        let (n_tok, n_out) = (acts.rows(), w.rows);
-        let mut o = [0f32; MAX_ROWS];
-        for t0 in (0..n_tok).step_by(MAX_ROWS) {
-            let n = MAX_ROWS.min(n_tok - t0);
-            for r in r0..r1 {
-                int8::dot_rows(w.row_data(r), acts, t0, &mut o[..n]);
-                for (i, &v) in o[..n].iter().enumerate() {
-                    // SAFETY: job j's output holds `n_tok` rows of `n_out` (checked above);
-                    // this task alone writes its columns r0..r1.
-                    unsafe { *dst.at((t0 + i) * n_out + r) = v };
+    // One job per thread, each taking the next task in order until none is left, instead of
+    // rayon splitting the list into halves and quarters: a worker that wakes late into a small
+    // region (tens of µs from the engine thread on this VM, as long as a GDN out product) or is
+    // preempted by a neighbour holds up one task, not a quarter of the matrix; a job no worker
+    // has taken when the others run out is popped back by its owner and ends at once.
+    let next = AtomicUsize::new(0);
+    let threads = rayon::current_num_threads().min(tasks.len());
+    (0..threads).into_par_iter().for_each(|_| {
+        while let Some(&(j, r0, r1)) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) {
+            let (w, acts, dst) = (jobs[j].0, jobs[j].1, &jobs[j].2);
+            let (n_tok, n_out) = (acts.rows(), w.rows);
+            if n_tok == 1 {
+                // A decode step: the task's rows in one span kernel call, straight into `out`.
+                let rows = &w.src.bytes()[r0 * w.row_bytes..r1 * w.row_bytes];
+                // SAFETY: job j's output holds one row of `n_out` (checked above); this task
+                // alone writes its columns r0..r1.
+                let o = unsafe { std::slice::from_raw_parts_mut(dst.at(r0), r1 - r0) };
+                int8::dot_span(rows, acts, 0, o);
+                continue;
+            }
+            let mut o = [0f32; MAX_ROWS];
+            for t0 in (0..n_tok).step_by(MAX_ROWS) {
+                let n = MAX_ROWS.min(n_tok - t0);
+                for r in r0..r1 {
+                    int8::dot_rows(w.row_data(r), acts, t0, &mut o[..n]);
+                    for (i, &v) in o[..n].iter().enumerate() {
+                        // SAFETY: job j's output holds `n_tok` rows of `n_out` (checked above);
+                        // this task alone writes its columns r0..r1.
+                        unsafe { *dst.at((t0 + i) * n_out + r) = v };
+                    }
                 }
             }
         }
