@@ -445,6 +445,29 @@ fn int8_span_kernels_match_dot_rows_bit_for_bit_on_every_isa() {
     }
 }
 
+/// Rows quantized together (inline for a decode step's few rows, in parallel for many) are
+/// each what quantizing the row alone gives: the products agree bit for bit.
+#[test]
+fn int8_rows_quantized_together_or_alone_agree() {
+    let mut rng = Rng(11);
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let k = 1024;
+        let w = random_rows(&mut rng, ty, k, 1);
+        // 3 rows are quantized on the calling thread, 40 (40,960 elements) in parallel.
+        for n in [3usize, 40] {
+            let x = random_acts(&mut rng, n * k);
+            let all = QActs::quantize(ty, &x, k);
+            for t in 0..n {
+                let one = QActs::quantize(ty, &x[t * k..(t + 1) * k], k);
+                let (mut a, mut b) = ([0f32], [0f32]);
+                int8::dot_rows(&w, &all, t, &mut a);
+                int8::dot_rows(&w, &one, 0, &mut b);
+                assert_eq!(a[0].to_bits(), b[0].to_bits(), "{ty} {n} rows: row {t}");
+            }
+        }
+    }
+}
+
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }

@@ -26,6 +26,9 @@ use super::fp::le_f16;
 /// Activation rows one kernel call serves.
 pub const MAX_ROWS: usize = 4;
 
+/// Elements [`QActs::quantize`] quantizes on the calling thread rather than in parallel.
+const SERIAL_ELEMS: usize = 1 << 15;
+
 /// Whether `ty` has integer kernels.
 pub fn supported(ty: GgmlType) -> bool {
     matches!(
@@ -143,8 +146,9 @@ impl QActs {
             }
             quantize_row(qk, z, interleave, x, q, d, o)
         };
-        // One row (a decode step) is quicker than a fork.
-        if rows == 1 {
+        // A decode step's few rows are quicker than a fork (waking the pool from the engine
+        // thread costs tens of microseconds, the rows of a few streams a few).
+        if x.len() <= SERIAL_ELEMS {
             row(x, &mut a.qs, &mut a.d, &mut a.o);
         } else {
             x.par_chunks(k)

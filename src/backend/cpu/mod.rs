@@ -65,6 +65,7 @@ impl CpuBackend {
 fn folded_input(fold: &Fold, x: &Tensor) -> Vec<f32> {
     let mut t = x.data.clone();
     t.par_chunks_mut(x.cols)
+        .with_min_len(rows_per_task(x.cols))
         .for_each_init(Vec::new, |scratch, row| fold.apply(row, scratch));
     t
 }
@@ -441,6 +442,14 @@ pub struct Recurrent {
 /// Elements per rayon task in elementwise ops: below this a split costs more than it saves.
 const ELEM_CHUNK: usize = 1 << 14;
 
+/// Rows of `cols` per rayon task of a row-wise op, so that a task holds about `ELEM_CHUNK`
+/// elements: a decode step of a few streams runs its norms, embeddings and folds inline (as
+/// one stream's single row always did) instead of waking the pool for microseconds of work,
+/// which from the engine thread costs tens of microseconds per region, several times a layer.
+fn rows_per_task(cols: usize) -> usize {
+    (ELEM_CHUNK / cols.max(1)).max(1)
+}
+
 /// Token counts up to this go through the multi-token row kernels rather than `gemm`: below it,
 /// dequantizing a tile costs more than decoding the blocks in registers once per token set.
 const SMALL_BATCH: usize = 4;
@@ -618,6 +627,7 @@ impl Backend for CpuBackend {
         out.data
             .par_chunks_mut(table.ne0)
             .zip(ids.par_iter())
+            .with_min_len(rows_per_task(table.ne0))
             .for_each(|(row, &id)| {
                 assert!(
                     (id as usize) < table.rows,
@@ -637,10 +647,14 @@ impl Backend for CpuBackend {
         let w = w.dense();
         assert_eq!(w.len(), x.cols);
         let mut out = x.clone();
-        out.data.par_chunks_mut(x.cols).for_each(|row| {
-            let s = rms_scale(row, eps);
-            row.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * s * g);
-        });
+        let per_task = rows_per_task(x.cols);
+        out.data
+            .par_chunks_mut(x.cols)
+            .with_min_len(per_task)
+            .for_each(|row| {
+                let s = rms_scale(row, eps);
+                row.iter_mut().zip(w).for_each(|(v, &g)| *v = *v * s * g);
+            });
         out
     }
 
