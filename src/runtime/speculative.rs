@@ -179,6 +179,13 @@ pub fn break_even(d: usize, round_cost: f64) -> Option<f64> {
 /// Forgetting factor of the acceptance estimate, per drafted round: about the last ten rounds
 /// count, so a slot follows its text's changes in predictability.
 const ACCEPT_DECAY: f64 = 0.9;
+
+/// How much more a depth must be expected to yield per second than the best shallower one.
+/// The costs are medians timed on a shared machine and the acceptance an estimate: where a
+/// verify row and a draft step cost next to nothing (a tiny model, whose steps are mostly
+/// fixed overhead), a 0.6% acceptance made depth 1 "win" by less than that noise, round after
+/// round, without a single accepted draft.
+const MIN_GAIN: f64 = 1.02;
 /// Plain rounds before a slot drafts one token to re-measure acceptance: first
 /// [`PROBE_FIRST`], doubling after each probe that does not bring drafting back, up to
 /// [`PROBE_EVERY`]: a slot that dropped on a few unlucky rounds comes back soon, one whose
@@ -253,7 +260,13 @@ impl AdaptiveDepth {
                 .expect("a forward was measured");
             expected_tokens(a, d) / (d as f64 * draft + t)
         };
-        (1..=n_max).fold(0, |best, d| if rate(d) > rate(best) { d } else { best })
+        (1..=n_max).fold(0, |best, d| {
+            if rate(d) > MIN_GAIN * rate(best) {
+                d
+            } else {
+                best
+            }
+        })
     }
 
     /// Picks this round's depth (records it in `depth`).
