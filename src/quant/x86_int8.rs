@@ -336,8 +336,9 @@ unsafe fn ptq1_0_codes(b: *const u8) -> [u8; 128] {
 /// How far ahead of the block being read the row kernels ask for the weights: rows are read
 /// once per token from memory, and the hardware prefetcher alone kept a core's stream well
 /// below what the memory delivers (the next rows of a task follow the current one, so running
-/// past a row's end is useful too).
-const PREFETCH_BYTES: usize = 1024;
+/// past a row's end is useful too). The 2-4-row kernels of a few streams' step or a verify
+/// stream the same way as the span kernels below, and take the same reach.
+const PREFETCH_BYTES: usize = SPAN_PREFETCH_BYTES;
 
 /// How far ahead the span kernels (one activation row, a run of rows: a decode step) ask for
 /// the weights. Their stream runs on through the span's rows, so a longer reach pays: streaming
