@@ -156,7 +156,7 @@ unsafe fn q8_0_vnni_span(rows: &[u8], rb: usize, a: &QActs, t: usize, out: &mut 
         let mut b = 0;
         while b + 2 <= nb {
             let blk = p.add(b * 34);
-            prefetch_span(blk);
+            prefetch(blk);
             let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
             let w1 = _mm256_loadu_si256(blk.add(36) as *const __m256i);
             let w = _mm512_xor_si512(
@@ -204,7 +204,7 @@ macro_rules! pq2_0_span_body {
             let mut acc = _mm512_setzero_ps();
             for p in 0..np {
                 let blk = row.as_ptr().add(p * 68);
-                prefetch_span(blk);
+                prefetch(blk);
                 let q = _mm512_inserti64x4::<1>(
                     _mm512_castsi256_si512(_mm256_loadu_si256(blk.add(2) as *const __m256i)),
                     _mm256_loadu_si256(blk.add(36) as *const __m256i),
@@ -336,21 +336,13 @@ unsafe fn ptq1_0_codes(b: *const u8) -> [u8; 128] {
 /// How far ahead of the block being read the row kernels ask for the weights: rows are read
 /// once per token from memory, and the hardware prefetcher alone kept a core's stream well
 /// below what the memory delivers (the next rows of a task follow the current one, so running
-/// past a row's end is useful too). The 2-4-row kernels of a few streams' step or a verify
-/// stream the same way as the span kernels below, and take the same reach.
-const PREFETCH_BYTES: usize = SPAN_PREFETCH_BYTES;
-
-/// How far ahead the span kernels (one activation row, a run of rows: a decode step) ask for
-/// the weights. Their stream runs on through the span's rows, so a longer reach pays: streaming
-/// 384 MiB through `dot_span` in 64 KiB tasks on the bench machine (thread-CPU GB/s, load 5-6,
-/// distances alternated, medians of 5), 1 KiB gave 6.7 GB/s on PQ2_0 and 7.9 on Q8_0 per
-/// thread, 2 KiB 7.8 and 8.7, 4 KiB 7.9 and 9.4, 8 and 16 KiB no more.
-const SPAN_PREFETCH_BYTES: usize = 4096;
-
-#[inline(always)]
-unsafe fn prefetch_span(p: *const u8) {
-    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(SPAN_PREFETCH_BYTES) as *const i8);
-}
+/// past a row's end pays). Streaming 384 MiB through `dot_span` in 64 KiB tasks on the bench
+/// machine (thread-CPU GB/s, load 5-6, distances alternated, medians of 5), 1 KiB gave 6.7 GB/s
+/// on PQ2_0 and 7.9 on Q8_0 per thread, 2 KiB 7.8 and 8.7, 4 KiB 7.9 and 9.4, 8 and 16 KiB no
+/// more. The 2-4-row kernels of a few streams' step or a verify stream the same way: in a
+/// same-run ABAB of `bench --engine --phases`, 4 KiB over 1 KiB took a 3-stream step from
+/// 71.2/91.0 ms to 70.6/73.8 ms.
+const PREFETCH_BYTES: usize = 4096;
 
 #[inline(always)]
 unsafe fn prefetch(p: *const u8) {

@@ -440,17 +440,27 @@ pub fn run_prompt_lengths(root: &Path, o: &mut Options, lengths: &[usize]) -> Re
     Ok(())
 }
 
+/// The kernel tables' activations: `n` fixed values in [-1, 1), the same in every table and run.
+pub fn bench_acts(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+        .collect()
+}
+
+/// The kernel tables' weight row before quantization: `n` fixed values in [-1, 1).
+fn bench_weights(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 104729) % 2000) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
 /// `cargo xtask bench --kernels`: `quant::dot_row` throughput per weight type, in GB/s of
 /// weight bytes, over a matrix larger than the caches (what decode streams).
 pub fn kernels() -> Result<()> {
     use tern::tensor::GgmlType::*;
     let (rows, cols) = (16384usize, 4096usize);
-    let x: Vec<f32> = (0..cols)
-        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
-        .collect();
-    let src: Vec<f32> = (0..cols)
-        .map(|i| ((i * 104729) % 2000) as f32 / 1000.0 - 1.0)
-        .collect();
+    let x: Vec<f32> = bench_acts(cols);
+    let src: Vec<f32> = bench_weights(cols);
     println!("{:<8} {:>12} {:>16}", "type", "GB/s", "G elements/s");
     for ty in [F32, F16, BF16, Q8_0, Q4_0, PQ2_0, PTQ1_0] {
         let row = tern::quant::quantize_row(ty, &src)?;
@@ -565,12 +575,8 @@ bench-0.8b decode shapes, 1 activation row, ~1 MiB of rows in L2, GB/s"
         (PQ2_0, 2048),
         (PTQ1_0, 1024),
     ] {
-        let x: Vec<f32> = (0..cols)
-            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
-            .collect();
-        let src: Vec<f32> = (0..cols)
-            .map(|i| ((i * 104729) % 2000) as f32 / 1000.0 - 1.0)
-            .collect();
+        let x: Vec<f32> = bench_acts(cols);
+        let src: Vec<f32> = bench_weights(cols);
         let row = tern::quant::quantize_row(ty, &src)?;
         let rows = (1usize << 20) / row.len();
         let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
@@ -614,12 +620,8 @@ fn head_kernels() -> Result<()> {
     use tern::quant::int8::{self, QActs};
     use tern::tensor::GgmlType::*;
     let (rows, cols) = (248_320usize, 1024usize);
-    let x: Vec<f32> = (0..cols)
-        .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
-        .collect();
-    let src: Vec<f32> = (0..cols)
-        .map(|i| ((i * 104729) % 2000) as f32 / 1000.0 - 1.0)
-        .collect();
+    let x: Vec<f32> = bench_acts(cols);
+    let src: Vec<f32> = bench_weights(cols);
     println!("\noutput head shape ({rows} x {cols}), 1 activation row");
     println!("{:<8} {:>12} {:>12}", "type", "isa", "GB/s");
     for ty in [Q8_0, PQ2_0] {
@@ -664,9 +666,7 @@ fn tiled_kernels(src: &[f32]) -> Result<()> {
         let row = tern::quant::quantize_row(ty, src)?;
         let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
         for toks in [1usize, 2, 3, 4, 8, 16, 24, 32, 64] {
-            let xs: Vec<f32> = (0..toks * cols)
-                .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
-                .collect();
+            let xs: Vec<f32> = bench_acts(toks * cols);
             let acts = QActs::quantize(ty, &xs, cols);
             let mut out = vec![0f32; toks * rows];
             let grouped = best_cpu_s(|| {

@@ -143,9 +143,7 @@ pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
         });
         // Each class's products over every layer, with a step's input shapes.
         let row = |cols: usize| {
-            let x: Vec<f32> = (0..cols)
-                .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
-                .collect();
+            let x: Vec<f32> = crate::bench::bench_acts(cols);
             be.from_host(&x, 1, cols)
         };
         let (h, ff, attn) = (
