@@ -445,6 +445,50 @@ fn int8_span_kernels_match_dot_rows_bit_for_bit_on_every_isa() {
     }
 }
 
+/// The span kernels for a few activation rows (`int8::dot_span_rows_isa`: a 2-4-stream step or
+/// a verify batch, each weight row read once for all of them) give each (weight row, token row)
+/// bit for bit what `dot_rows` gives that pair alone, on every instruction set, so a stream
+/// decodes the same beside others as alone: 1 to 4 token rows from a row past the first, spans
+/// of 0 to 9 weight rows, odd and even block counts.
+#[test]
+fn int8_multi_row_spans_match_dot_rows_bit_for_bit_on_every_isa() {
+    let mut rng = Rng(0x5a4e_0002);
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let ks: &[usize] = match ty {
+            Q8_0 | Q4_0 => &[32, 96, 1056],
+            _ => &[128, 384, 1024, 1152],
+        };
+        for &k in ks {
+            let n_out = 9;
+            let w = random_rows(&mut rng, ty, k, n_out);
+            let rb = w.len() / n_out;
+            let x = random_acts(&mut rng, 5 * k);
+            let acts = QActs::quantize(ty, &x, k);
+            for &isa in &int8::isas() {
+                for n in 1..=MAX_ROWS {
+                    let t0 = 5 - n;
+                    for (r0, nr) in [(0, 0), (0, 1), (3, 2), (1, 7), (0, 9)] {
+                        let mut got = vec![f32::NAN; nr * n];
+                        let span = &w[r0 * rb..(r0 + nr) * rb];
+                        int8::dot_span_rows_isa(span, &acts, t0, n, &mut got, isa);
+                        for (j, &g) in got.iter().enumerate() {
+                            let (r, t) = (r0 + j / n, t0 + j % n);
+                            let mut one = [0f32];
+                            int8::dot_rows_isa(&w[r * rb..(r + 1) * rb], &acts, t, &mut one, isa);
+                            assert_eq!(
+                                g.to_bits(),
+                                one[0].to_bits(),
+                                "{ty} {isa:?} k={k} row {r} of span {r0}+{nr}, x row {t} of {t0}+{n}: {g} vs {}",
+                                one[0]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// Rows quantized together (inline for a decode step's few rows, in parallel for many) are
 /// each what quantizing the row alone gives: the products agree bit for bit.
 #[test]

@@ -316,13 +316,63 @@ pub fn dot_span_isa(rows: &[u8], acts: &QActs, t: usize, out: &mut [f32], isa: I
         acts.k
     );
     #[cfg(target_arch = "x86_64")]
-    if super::x86_int8::dot_span(rows, rb, acts, t, out, isa) {
+    if super::x86_int8::dot_span(rows, rb, acts, t, 1, out, isa) {
         return;
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = isa;
     for (o, row) in out.iter_mut().zip(rows.chunks_exact(rb)) {
         *o = dot_portable(row, acts, t);
+    }
+}
+
+/// [`dot_span`] for `n` (1 to [`MAX_ROWS`]) activation rows `t0..t0 + n`: `out[r * n + i]` =
+/// row r · x[t0 + i], a few streams' step or a verify batch, each weight row read once for all
+/// `n`. Each result is bit for bit what [`dot_rows`] and [`dot_span`] give it, so a sequence
+/// decodes the same alone and beside others.
+pub fn dot_span_rows(rows: &[u8], acts: &QActs, t0: usize, n: usize, out: &mut [f32]) {
+    dot_span_rows_isa(rows, acts, t0, n, out, Isa::Avx512Vbmi)
+}
+
+/// [`dot_span_rows`] with the kernels of `isa` at most.
+pub fn dot_span_rows_isa(
+    rows: &[u8],
+    acts: &QActs,
+    t0: usize,
+    n: usize,
+    out: &mut [f32],
+    isa: Isa,
+) {
+    assert!(
+        (1..=MAX_ROWS).contains(&n) && t0 + n <= acts.rows,
+        "int8::dot_span_rows: rows {t0}..{} of {}",
+        t0 + n,
+        acts.rows
+    );
+    let rb = acts
+        .ty
+        .row_bytes(acts.k as u64)
+        .expect("QActs::quantize admits whole blocks only") as usize;
+    assert_eq!(
+        rows.len() * n,
+        rb * out.len(),
+        "int8::dot_span_rows: {} bytes for {} results of {} {} rows of {}",
+        rows.len(),
+        out.len(),
+        n,
+        acts.ty,
+        acts.k
+    );
+    #[cfg(target_arch = "x86_64")]
+    if super::x86_int8::dot_span(rows, rb, acts, t0, n, out, isa) {
+        return;
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa;
+    for (o, row) in out.chunks_exact_mut(n).zip(rows.chunks_exact(rb)) {
+        for (i, o) in o.iter_mut().enumerate() {
+            *o = dot_portable(row, acts, t0 + i);
+        }
     }
 }
 

@@ -71,22 +71,33 @@ pub(super) fn dot_rows(row: &[u8], acts: &QActs, t0: usize, out: &mut [f32], isa
     false
 }
 
-/// [`int8::dot_span_isa`](super::int8::dot_span_isa)'s kernels: `out[r]` = the row of `rb`
-/// bytes at `rows[r * rb..]` against activation row `t`, one kernel choice for the span; false
-/// when the CPU (or `isa`) has none. The caller checked the shapes.
+/// [`int8::dot_span_isa`](super::int8::dot_span_isa) and
+/// [`int8::dot_span_rows_isa`](super::int8::dot_span_rows_isa)'s kernels: `out[r * n + i]` = the
+/// row of `rb` bytes at `rows[r * rb..]` against activation row `t0 + i`, for `n` (1 to
+/// [`MAX_ROWS`]) activation rows, one kernel choice for the span; false when the CPU (or `isa`)
+/// has none. The caller checked the shapes.
 pub(super) fn dot_span(
     rows: &[u8],
     rb: usize,
     acts: &QActs,
-    t: usize,
+    t0: usize,
+    n: usize,
     out: &mut [f32],
     isa: Isa,
 ) -> bool {
+    debug_assert!((1..=MAX_ROWS).contains(&n));
     macro_rules! span {
         ($kernel:ident) => {{
-            // SAFETY: the feature check above the call; `rows` holds `out.len()` rows of `rb`
-            // bytes and `t` is a row of the activations (`int8::dot_span_isa`).
-            unsafe { $kernel(rows, rb, acts, t, out) };
+            // SAFETY: the feature check above the call; `rows` holds `out.len() / n` rows of
+            // `rb` bytes and `t0..t0 + n` are rows of the activations (`int8::dot_span_isa`).
+            unsafe {
+                match n {
+                    1 => $kernel::<1>(rows, rb, acts, t0, out),
+                    2 => $kernel::<2>(rows, rb, acts, t0, out),
+                    3 => $kernel::<3>(rows, rb, acts, t0, out),
+                    _ => $kernel::<4>(rows, rb, acts, t0, out),
+                }
+            }
             return true;
         }};
     }
@@ -114,15 +125,22 @@ pub(super) fn dot_span(
     false
 }
 
-/// A span kernel from a one-row kernel: the row loop inside the target-feature function, so
+/// A span kernel from a row kernel: the weight-row loop inside the target-feature function, so
 /// the row kernel inlines into it (the same instructions per row as `dot_rows`, bit for bit)
-/// and the dispatch is paid once.
+/// and the dispatch is paid once per span. `out` holds `N` results per weight row, weight row
+/// by weight row.
 macro_rules! span_of {
     ($name:ident, $row:ident, $($feat:literal),+) => {
         #[target_feature(enable = $($feat),+)]
-        unsafe fn $name(rows: &[u8], rb: usize, a: &QActs, t: usize, out: &mut [f32]) {
-            for (o, row) in out.chunks_exact_mut(1).zip(rows.chunks_exact(rb)) {
-                $row::<1>(row, a, t, o);
+        unsafe fn $name<const N: usize>(
+            rows: &[u8],
+            rb: usize,
+            a: &QActs,
+            t0: usize,
+            out: &mut [f32],
+        ) {
+            for (o, row) in out.chunks_exact_mut(N).zip(rows.chunks_exact(rb)) {
+                $row::<N>(row, a, t0, o);
             }
         }
     };
@@ -142,137 +160,6 @@ unsafe fn pair_scales34(blk: *const u8) -> __m512 {
     _mm512_cvtph_ps(_mm512_castsi512_si256(w))
 }
 
-/// Q8_0 over a span of rows: `q8_0_vnni::<1>`'s arithmetic (bit for bit), the pair's scales by
-/// [`pair_scales34`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn q8_0_vnni_span(rows: &[u8], rb: usize, a: &QActs, t: usize, out: &mut [f32]) {
-    let (k, nb) = (a.k, a.k / 32);
-    let bias = _mm512_set1_epi8(-128);
-    let x = a.qs.as_ptr().add(t * k);
-    let (d8, o8) = (a.d8.as_ptr().add(t * nb * 8), a.o8.as_ptr().add(t * nb * 8));
-    for (o, row) in out.iter_mut().zip(rows.chunks_exact(rb)) {
-        let p = row.as_ptr();
-        let mut acc = _mm512_setzero_ps();
-        let mut b = 0;
-        while b + 2 <= nb {
-            let blk = p.add(b * 34);
-            prefetch(blk);
-            let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-            let w1 = _mm256_loadu_si256(blk.add(36) as *const __m256i);
-            let w = _mm512_xor_si512(
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1),
-                bias,
-            );
-            let dw = pair_scales34(blk);
-            let xv = _mm512_loadu_si512(x.add(b * 32) as *const _);
-            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
-            let dx = _mm512_loadu_ps(d8.add(b * 8));
-            let ov = _mm512_loadu_ps(o8.add(b * 8));
-            acc = _mm512_fmadd_ps(dw, _mm512_fmsub_ps(dx, s, ov), acc);
-            b += 2;
-        }
-        let mut r = _mm512_reduce_add_ps(acc);
-        if b < nb {
-            let blk = &row[b * 34..(b + 1) * 34];
-            let q = &a.row(t)[b * 32..(b + 1) * 32];
-            let s: i32 = blk[2..]
-                .iter()
-                .zip(q)
-                .map(|(&w, &x)| w as i8 as i32 * x as i32)
-                .sum();
-            r += f16_scalar(blk.as_ptr()) * (a.d[t * nb + b] * s as f32);
-        }
-        *o = r;
-    }
-}
-
-/// The PQ2_0 span kernels' loop, `pq2_0_vnni::<1>`'s arithmetic bit for bit (the integer sums
-/// are exact whatever order, and the float steps are the same), with the pair's scales by
-/// [`pair_scales34`] and the four code planes of the pair's 64 code bytes by `$planes`.
-macro_rules! pq2_0_span_body {
-    ($rows:expr, $rb:expr, $a:expr, $t:expr, $out:expr, $planes:expr) => {{
-        let (a, t) = ($a, $t);
-        let (k, nb) = (a.k, a.k / 128);
-        let np = nb / 2;
-        let m3 = _mm512_set1_epi8(3);
-        let x = a.pairs.as_ptr().add(t * k);
-        let (d16, o16) = (
-            a.d16.as_ptr().add(t * np * 16),
-            a.o16.as_ptr().add(t * np * 16),
-        );
-        for (o, row) in $out.iter_mut().zip($rows.chunks_exact($rb)) {
-            let mut acc = _mm512_setzero_ps();
-            for p in 0..np {
-                let blk = row.as_ptr().add(p * 68);
-                prefetch(blk);
-                let q = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(blk.add(2) as *const __m256i)),
-                    _mm256_loadu_si256(blk.add(36) as *const __m256i),
-                );
-                let c: [__m512i; 4] = $planes(q);
-                let dw = pair_scales34(blk);
-                let xv = |s: usize| _mm512_loadu_si512(x.add(p * 256 + 64 * s) as *const _);
-                let s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], xv(0));
-                let s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[2], xv(2));
-                let s01 = _mm512_dpbusd_epi32(s01, c[1], xv(1));
-                let s23 = _mm512_dpbusd_epi32(s23, c[3], xv(3));
-                let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s01, s23));
-                let dx = _mm512_loadu_ps(d16.add(p * 16));
-                let ov = _mm512_loadu_ps(o16.add(p * 16));
-                acc = _mm512_fmadd_ps(dw, _mm512_fmsub_ps(dx, s, ov), acc);
-            }
-            let mut off = [0f32; 1];
-            let mut acc = [acc];
-            if nb % 2 == 1 {
-                let b = nb - 1;
-                let blk = row.as_ptr().add(b * 34);
-                let sh01 = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
-                let sh23 = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_set1_epi16(4)),
-                    _mm256_set1_epi16(6),
-                );
-                let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2) as *const __m256i));
-                let c = [
-                    _mm512_and_si512(_mm512_srlv_epi16(q, sh01), m3),
-                    _mm512_and_si512(_mm512_srlv_epi16(q, sh23), m3),
-                ];
-                codes128_vnni(c, f16_scalar(blk), a, t, b, &mut acc, &mut off);
-            }
-            *o = _mm512_reduce_add_ps(acc[0]) - off[0];
-        }
-    }};
-}
-
-/// PQ2_0 over a span of rows, the planes by immediate shifts and masks.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn pq2_0_vnni_span(rows: &[u8], rb: usize, a: &QActs, t: usize, out: &mut [f32]) {
-    let m3 = _mm512_set1_epi8(3);
-    pq2_0_span_body!(rows, rb, a, t, out, |q: __m512i| [
-        _mm512_and_si512(q, m3),
-        _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
-        _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
-        _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
-    ])
-}
-
-/// PQ2_0 over a span of rows, the planes by `vpermb`: it indexes a 64-byte table by each byte's
-/// low six bits, so the tables `(i >> 2s) & 3` give planes 0 to 2 of the code bytes in one
-/// instruction each (no mask), and plane 3 is the top two bits shifted down first. Four
-/// instructions on the shuffle port plus one shift, against seven shifts and masks.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
-unsafe fn pq2_0_vbmi_span(rows: &[u8], rb: usize, a: &QActs, t: usize, out: &mut [f32]) {
-    let table = |s: usize| {
-        let v: [u8; 64] = std::array::from_fn(|i| ((i >> (2 * s)) & 3) as u8);
-        _mm512_loadu_si512(v.as_ptr() as *const _)
-    };
-    let (l0, l1, l2) = (table(0), table(1), table(2));
-    pq2_0_span_body!(rows, rb, a, t, out, |q: __m512i| [
-        _mm512_permutexvar_epi8(q, l0),
-        _mm512_permutexvar_epi8(q, l1),
-        _mm512_permutexvar_epi8(q, l2),
-        _mm512_permutexvar_epi8(_mm512_srli_epi16::<6>(q), l0),
-    ])
-}
 span_of!(
     ptq1_0_vnni_span,
     ptq1_0_vnni,
@@ -352,53 +239,108 @@ unsafe fn prefetch(p: *const u8) {
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI
 
-/// Q8_0: two blocks per 512-bit step, each block's eight i32 lanes scaled by `dw * dx` lane-wise
-/// (`QActs::d8`, `o8`); a last odd block goes through the portable block sum.
+/// Q8_0 for one weight row (`dot_rows`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
 unsafe fn q8_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
+    q8_0_vnni_rows::<1, N>(row, row.len(), a, t0, out)
+}
+
+/// Q8_0 over a span of rows: four weight rows a pass against the `N` token rows when `N` > 1,
+/// so that each token row's activations, scales and offsets are loaded once for the four (the
+/// loads, not the arithmetic, bounded the 2-4-row kernels that took one weight row a pass: 3
+/// token rows ran at half the one-row kernel's bytes per second in L2; two weight rows a pass
+/// gave 0.61-0.74 of it, four 0.83-0.86). Each (weight row, token row) pair sees the same
+/// instructions in the same order whichever way, so the results are the same bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn q8_0_vnni_span<const N: usize>(
+    rows: &[u8],
+    rb: usize,
+    a: &QActs,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let one = |r: &[u8], o: &mut [f32]| {
+        for (o, row) in o.chunks_exact_mut(N).zip(r.chunks_exact(rb)) {
+            q8_0_vnni_rows::<1, N>(row, rb, a, t0, o);
+        }
+    };
+    if N == 1 {
+        return one(rows, out);
+    }
+    let wide = |r: &[u8], o: &mut [f32]| {
+        for (o, rr) in o.chunks_exact_mut(4 * N).zip(r.chunks_exact(4 * rb)) {
+            q8_0_vnni_rows::<4, N>(rr, rb, a, t0, o);
+        }
+    };
+    in_groups::<4>(rows, rb, N, out, wide, one)
+}
+
+/// Q8_0, `R` weight rows of `rb` bytes (back to back in `rows`) against `N` token rows: two
+/// blocks per 512-bit step, each block's eight i32 lanes scaled by `dw * dx` lane-wise
+/// (`QActs::d8`, `o8`); a last odd block goes through the portable block sum. `out[j * N + i]`
+/// is weight row j against token row t0 + i.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+// i and j name a (token row, weight row) pair across three arrays; zipped iterators over the
+// two-level accumulator would hide which is which.
+#[allow(clippy::needless_range_loop)]
+unsafe fn q8_0_vnni_rows<const R: usize, const N: usize>(
+    rows: &[u8],
+    rb: usize,
+    a: &QActs,
+    t0: usize,
+    out: &mut [f32],
+) {
     let (k, nb) = (a.k, a.k / 32);
-    let p = row.as_ptr();
+    let p: [*const u8; R] = std::array::from_fn(|j| rows.as_ptr().add(j * rb));
     let bias = _mm512_set1_epi8(-128);
-    let mut acc = [_mm512_setzero_ps(); N];
+    let mut acc = [[_mm512_setzero_ps(); N]; R];
     let mut b = 0;
     while b + 2 <= nb {
-        let blk = p.add(b * 34);
-        prefetch(blk);
-        let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
-        let w1 = _mm256_loadu_si256(blk.add(36) as *const __m256i);
-        let w = _mm512_xor_si512(
-            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1),
-            bias,
-        );
-        let dw = _mm512_cvtph_ps(_mm256_set_m128i(
-            _mm_set1_epi16(f16_at(blk.add(34)) as i16),
-            _mm_set1_epi16(f16_at(blk) as i16),
-        ));
-        for (i, acc) in acc.iter_mut().enumerate() {
+        let mut w = [_mm512_setzero_si512(); R];
+        let mut dw = [_mm512_setzero_ps(); R];
+        for j in 0..R {
+            let blk = p[j].add(b * 34);
+            prefetch(blk);
+            let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
+            let w1 = _mm256_loadu_si256(blk.add(36) as *const __m256i);
+            w[j] = _mm512_xor_si512(
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(w0), w1),
+                bias,
+            );
+            dw[j] = pair_scales34(blk);
+        }
+        for i in 0..N {
             let t = t0 + i;
             let x = _mm512_loadu_si512(a.qs.as_ptr().add(t * k + b * 32) as *const _);
-            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x));
             let l = (t * nb + b) * 8;
             let dx = _mm512_loadu_ps(a.d8.as_ptr().add(l));
             let o = _mm512_loadu_ps(a.o8.as_ptr().add(l));
-            *acc = _mm512_fmadd_ps(dw, _mm512_fmsub_ps(dx, s, o), *acc);
+            for j in 0..R {
+                let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], x));
+                acc[j][i] = _mm512_fmadd_ps(dw[j], _mm512_fmsub_ps(dx, s, o), acc[j][i]);
+            }
         }
         b += 2;
     }
-    for (i, o) in out.iter_mut().enumerate() {
-        let t = t0 + i;
-        let mut r = _mm512_reduce_add_ps(acc[i]);
-        if b < nb {
-            let blk = &row[b * 34..(b + 1) * 34];
-            let q = &a.row(t)[b * 32..(b + 1) * 32];
-            let s: i32 = blk[2..]
-                .iter()
-                .zip(q)
-                .map(|(&w, &x)| w as i8 as i32 * x as i32)
-                .sum();
-            r += f16_scalar(blk.as_ptr()) * (a.d[t * nb + b] * s as f32);
+    for j in 0..R {
+        let row = &rows[j * rb..(j + 1) * rb];
+        for i in 0..N {
+            let t = t0 + i;
+            let mut r = _mm512_reduce_add_ps(acc[j][i]);
+            if b < nb {
+                let blk = &row[b * 34..(b + 1) * 34];
+                let q = &a.row(t)[b * 32..(b + 1) * 32];
+                let s: i32 = blk[2..]
+                    .iter()
+                    .zip(q)
+                    .map(|(&w, &x)| w as i8 as i32 * x as i32)
+                    .sum();
+                r += f16_scalar(blk.as_ptr()) * (a.d[t * nb + b] * s as f32);
+            }
+            out[j * N + i] = r;
         }
-        *o = r;
     }
 }
 
@@ -433,72 +375,185 @@ unsafe fn codes128_vnni<const N: usize>(
 }
 
 /// PQ2_0: two blocks per step against the paired levels (`int8::pair_levels`): the two blocks'
-/// 64 code bytes in one vector, each plane one immediate shift and mask, and the integer sums
+/// 64 code bytes in one vector, split into four code planes by `$planes`, and the integer sums
 /// (lanes 0..8 the first block's, 8..16 the second's) scaled lane-wise by `dw * (dx * S - o)`
-/// as Q8_0's are. A last odd block goes through the one-block step.
+/// as Q8_0's are. A last odd block goes through the one-block step. The planes are exact
+/// whichever instructions make them, so both kernels below give the same bits.
+macro_rules! pq2_0_span_body {
+    ($r:ident, $n:ident, $rows:expr, $rb:expr, $a:expr, $t0:expr, $out:expr, $planes:expr) => {{
+        let (rows, rb, a, t0, out): (&[u8], usize, &QActs, usize, &mut [f32]) =
+            ($rows, $rb, $a, $t0, $out);
+        let (k, nb) = (a.k, a.k / 128);
+        let np = nb / 2;
+        let m3 = _mm512_set1_epi8(3);
+        for (out, rr) in out
+            .chunks_exact_mut($r * $n)
+            .zip(rows.chunks_exact($r * rb))
+        {
+            let p: [*const u8; $r] = std::array::from_fn(|j| rr.as_ptr().add(j * rb));
+            let mut acc = [[_mm512_setzero_ps(); $n]; $r];
+            for pp in 0..np {
+                let mut c = [[_mm512_setzero_si512(); 4]; $r];
+                let mut dw = [_mm512_setzero_ps(); $r];
+                for j in 0..$r {
+                    let blk = p[j].add(pp * 68);
+                    prefetch(blk);
+                    let q = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_loadu_si256(blk.add(2) as *const __m256i)),
+                        _mm256_loadu_si256(blk.add(36) as *const __m256i),
+                    );
+                    c[j] = $planes(q);
+                    dw[j] = pair_scales34(blk);
+                }
+                for i in 0..$n {
+                    let t = t0 + i;
+                    let x = a.pairs.as_ptr().add(t * k + pp * 256);
+                    let xv = [0, 1, 2, 3].map(|s| _mm512_loadu_si512(x.add(64 * s) as *const _));
+                    let l = (t * np + pp) * 16;
+                    let dx = _mm512_loadu_ps(a.d16.as_ptr().add(l));
+                    let o = _mm512_loadu_ps(a.o16.as_ptr().add(l));
+                    for j in 0..$r {
+                        let c = &c[j];
+                        // Two chains of two, so a row's sums do not wait on one another four
+                        // deep.
+                        let s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], xv[0]);
+                        let s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[2], xv[2]);
+                        let s01 = _mm512_dpbusd_epi32(s01, c[1], xv[1]);
+                        let s23 = _mm512_dpbusd_epi32(s23, c[3], xv[3]);
+                        let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s01, s23));
+                        acc[j][i] = _mm512_fmadd_ps(dw[j], _mm512_fmsub_ps(dx, s, o), acc[j][i]);
+                    }
+                }
+            }
+            for j in 0..$r {
+                let mut off = [0f32; $n];
+                if nb % 2 == 1 {
+                    // The last block in the one-block layout: planes 0 and 2 from the low 256
+                    // bits of each 16-bit lane's shift, 1 and 3 from the high.
+                    let b = nb - 1;
+                    let blk = p[j].add(b * 34);
+                    let sh01 =
+                        _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
+                    let sh23 = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(_mm256_set1_epi16(4)),
+                        _mm256_set1_epi16(6),
+                    );
+                    let q =
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2) as *const __m256i));
+                    let c = [
+                        _mm512_and_si512(_mm512_srlv_epi16(q, sh01), m3),
+                        _mm512_and_si512(_mm512_srlv_epi16(q, sh23), m3),
+                    ];
+                    codes128_vnni(c, f16_scalar(blk), a, t0, b, &mut acc[j], &mut off);
+                }
+                for i in 0..$n {
+                    out[j * $n + i] = _mm512_reduce_add_ps(acc[j][i]) - off[i];
+                }
+            }
+        }
+    }};
+}
+
+/// A span in groups of `R` weight rows (`wide`) while whole groups last, then one at a time
+/// (`one`): the multi-row kernels take two or four weight rows per pass when several token
+/// rows share their activation loads.
+#[inline(always)]
+fn in_groups<const R: usize>(
+    rows: &[u8],
+    rb: usize,
+    n: usize,
+    out: &mut [f32],
+    mut wide: impl FnMut(&[u8], &mut [f32]),
+    mut one: impl FnMut(&[u8], &mut [f32]),
+) {
+    let whole = (out.len() / n / R) * R;
+    let (ow, o1) = out.split_at_mut(whole * n);
+    let (rw, r1) = rows.split_at(whole * rb);
+    wide(rw, ow);
+    one(r1, o1);
+}
+
+/// PQ2_0 over a span of rows, the planes by immediate shifts and masks; two weight rows a pass
+/// for several token rows (see `q8_0_vnni_span`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn pq2_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
-    let (k, nb) = (a.k, a.k / 128);
-    let np = nb / 2;
+unsafe fn pq2_0_vnni_span<const N: usize>(
+    rows: &[u8],
+    rb: usize,
+    a: &QActs,
+    t0: usize,
+    out: &mut [f32],
+) {
     let m3 = _mm512_set1_epi8(3);
-    let mut acc = [_mm512_setzero_ps(); N];
-    for p in 0..np {
-        let blk = row.as_ptr().add(p * 68);
-        prefetch(blk);
-        let q = _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_loadu_si256(blk.add(2) as *const __m256i)),
-            _mm256_loadu_si256(blk.add(36) as *const __m256i),
-        );
-        let c = [
+    let planes = |q: __m512i| {
+        [
             _mm512_and_si512(q, m3),
             _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
             _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
             _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
-        ];
-        let dw = _mm512_cvtph_ps(_mm256_set_m128i(
-            _mm_set1_epi16(f16_at(blk.add(34)) as i16),
-            _mm_set1_epi16(f16_at(blk) as i16),
-        ));
-        for (i, acc) in acc.iter_mut().enumerate() {
-            let t = t0 + i;
-            let x = a.pairs.as_ptr().add(t * k + p * 256);
-            let xv = |s: usize| _mm512_loadu_si512(x.add(64 * s) as *const _);
-            // Two chains of two, so a row's sums do not wait on one another four deep.
-            let s01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], xv(0));
-            let s23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[2], xv(2));
-            let s01 = _mm512_dpbusd_epi32(s01, c[1], xv(1));
-            let s23 = _mm512_dpbusd_epi32(s23, c[3], xv(3));
-            let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s01, s23));
-            let l = (t * np + p) * 16;
-            let dx = _mm512_loadu_ps(a.d16.as_ptr().add(l));
-            let o = _mm512_loadu_ps(a.o16.as_ptr().add(l));
-            *acc = _mm512_fmadd_ps(dw, _mm512_fmsub_ps(dx, s, o), *acc);
-        }
+        ]
+    };
+    if N == 1 {
+        return pq2_0_span_body!(ONE, N, rows, rb, a, t0, out, planes);
     }
-    let mut off = [0f32; N];
-    if nb % 2 == 1 {
-        // The last block in the one-block layout: planes 0 and 2 from the low 256 bits of each
-        // 16-bit lane's shift, 1 and 3 from the high.
-        let b = nb - 1;
-        let blk = row.as_ptr().add(b * 34);
-        let sh01 = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
-        let sh23 = _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(_mm256_set1_epi16(4)),
-            _mm256_set1_epi16(6),
-        );
-        let q = _mm512_broadcast_i64x4(_mm256_loadu_si256(blk.add(2) as *const __m256i));
-        let c = [
-            _mm512_and_si512(_mm512_srlv_epi16(q, sh01), m3),
-            _mm512_and_si512(_mm512_srlv_epi16(q, sh23), m3),
-        ];
-        codes128_vnni(c, f16_scalar(blk), a, t0, b, &mut acc, &mut off);
+    in_groups::<2>(
+        rows,
+        rb,
+        N,
+        out,
+        |r, o| pq2_0_span_body!(TWO, N, r, rb, a, t0, o, planes),
+        |r, o| pq2_0_span_body!(ONE, N, r, rb, a, t0, o, planes),
+    )
+}
+
+const ONE: usize = 1;
+const TWO: usize = 2;
+
+/// PQ2_0 for one weight row (`dot_rows`): the span kernel on a span of one.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn pq2_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
+    pq2_0_vnni_span::<N>(row, row.len(), a, t0, out)
+}
+
+/// PQ2_0 over a span of rows, the planes by `vpermb`: it indexes a 64-byte table by each byte's low six bits, so
+/// the tables `(i >> 2s) & 3` give planes 0 to 2 of the code bytes in one instruction each (no
+/// mask), and plane 3 is the top two bits shifted down first. Four instructions on the shuffle
+/// port plus one shift, against seven shifts and masks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn pq2_0_vbmi_span<const N: usize>(
+    rows: &[u8],
+    rb: usize,
+    a: &QActs,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let table = |s: usize| {
+        let v: [u8; 64] = std::array::from_fn(|i| ((i >> (2 * s)) & 3) as u8);
+        _mm512_loadu_si512(v.as_ptr() as *const _)
+    };
+    let (l0, l1, l2) = (table(0), table(1), table(2));
+    let planes = |q: __m512i| {
+        [
+            _mm512_permutexvar_epi8(q, l0),
+            _mm512_permutexvar_epi8(q, l1),
+            _mm512_permutexvar_epi8(q, l2),
+            _mm512_permutexvar_epi8(_mm512_srli_epi16::<6>(q), l0),
+        ]
+    };
+    if N == 1 {
+        return pq2_0_span_body!(ONE, N, rows, rb, a, t0, out, planes);
     }
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = _mm512_reduce_add_ps(acc[i]) - off[i];
-    }
+    in_groups::<2>(
+        rows,
+        rb,
+        N,
+        out,
+        |r, o| pq2_0_span_body!(TWO, N, r, rb, a, t0, o, planes),
+        |r, o| pq2_0_span_body!(ONE, N, r, rb, a, t0, o, planes),
+    )
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
 unsafe fn ptq1_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
     let nb = a.k / 128;
     let mut acc = [_mm512_setzero_ps(); N];
@@ -899,6 +954,7 @@ unsafe fn madd_u8(c: __m256i, x: __m256i) -> __m256i {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
 unsafe fn q8_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
     let (k, nb) = (a.k, a.k / 32);
     let mut acc = [_mm256_setzero_ps(); N];
@@ -925,6 +981,7 @@ unsafe fn q8_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut 
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
 unsafe fn q4_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
     let (k, nb) = (a.k, a.k / 32);
     let m15 = _mm_set1_epi8(15);
@@ -984,6 +1041,7 @@ unsafe fn codes128_avx2<const N: usize>(
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
 unsafe fn pq2_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
     let nb = a.k / 128;
     let m3 = _mm256_set1_epi8(3);
@@ -1007,6 +1065,7 @@ unsafe fn pq2_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
 unsafe fn ptq1_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
     let nb = a.k / 128;
     let mut acc = [_mm256_setzero_ps(); N];

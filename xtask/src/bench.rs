@@ -555,17 +555,26 @@ fn int8_kernels(x: &[f32], src: &[f32], rows: usize) -> Result<()> {
 /// the kernels' arithmetic ceiling in GB/s of weights, which a step's memory stream (9.3 GB/s
 /// on one thread of the bench machine, `bench --step`) must stay below for the product to be
 /// memory-bound. `dot_rows` row by row (a kernel choice and shape checks per row) beside
-/// `dot_span` over the slice (once per slice).
+/// `dot_span` over the slice (once per slice), and the same for 2 to 4 activation rows.
 pub fn span_kernels() -> Result<()> {
     use tern::quant::int8::{self, QActs};
     use tern::tensor::GgmlType::*;
     println!(
         "
-bench-0.8b decode shapes, 1 activation row, ~1 MiB of rows in L2, GB/s"
+bench-0.8b decode shapes, 1 to 4 activation rows, ~1 MiB of rows in L2, GB/s"
     );
     println!(
-        "{:<8} {:>6} {:>12} {:>10} {:>10} {:>7}",
-        "type", "cols", "isa", "dot_rows", "dot_span", "ratio"
+        "{:<8} {:>6} {:>12} {:>10} {:>10} {:>7} {:>10} {:>8} {:>8} {:>8}",
+        "type",
+        "cols",
+        "isa",
+        "dot_rows",
+        "dot_span",
+        "ratio",
+        "dot_rows3",
+        "span2",
+        "span3",
+        "span4"
     );
     for (ty, cols) in [
         (Q8_0, 1024usize),
@@ -581,6 +590,8 @@ bench-0.8b decode shapes, 1 activation row, ~1 MiB of rows in L2, GB/s"
         let rows = (1usize << 20) / row.len();
         let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
         let acts = QActs::quantize(ty, &x, cols);
+        let x4: Vec<f32> = bench_acts(4 * cols);
+        let acts4 = QActs::quantize(ty, &x4, cols);
         let mut out = vec![0f32; rows];
         for isa in int8::isas() {
             // Ten passes per timing, so that a pass over 1 MiB is not lost in the clock's grain.
@@ -598,15 +609,41 @@ bench-0.8b decode shapes, 1 activation row, ~1 MiB of rows in L2, GB/s"
                     std::hint::black_box(&out);
                 }
             });
+            // A few token rows (three streams, a verify batch): `dot_rows` row by row for 3,
+            // and the multi-row span kernel for 2 to 4.
+            let rows3 = best_cpu_s(|| {
+                for _ in 0..10 {
+                    let mut o = [0f32; 3];
+                    for w in m.chunks_exact(row.len()) {
+                        int8::dot_rows_isa(w, &acts4, 0, &mut o, isa);
+                        std::hint::black_box(&o);
+                    }
+                }
+            });
+            let spans: Vec<f64> = (2..=4)
+                .map(|n| {
+                    let mut out = vec![0f32; rows * n];
+                    best_cpu_s(|| {
+                        for _ in 0..10 {
+                            int8::dot_span_rows_isa(&m, &acts4, 0, n, &mut out, isa);
+                            std::hint::black_box(&out);
+                        }
+                    })
+                })
+                .collect();
             let gb = 10.0 * m.len() as f64 / 1e9;
             println!(
-                "{:<8} {:>6} {:>12} {:>10.2} {:>10.2} {:>7.2}",
+                "{:<8} {:>6} {:>12} {:>10.2} {:>10.2} {:>7.2} {:>10.2} {:>8.2} {:>8.2} {:>8.2}",
                 ty.name(),
                 cols,
                 format!("{isa:?}"),
                 gb / each,
                 gb / span,
-                each / span
+                each / span,
+                gb / rows3,
+                gb / spans[0],
+                gb / spans[1],
+                gb / spans[2]
             );
         }
     }

@@ -191,6 +191,7 @@ fn products_int8_rows(jobs: &mut [(&Weight, &quant::int8::QActs, &mut Tensor)]) 
     let next = AtomicUsize::new(0);
     let threads = rayon::current_num_threads().min(tasks.len());
     (0..threads).into_par_iter().for_each(|_| {
+        let mut o: Vec<f32> = Vec::new();
         while let Some(&(j, r0, r1)) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) {
             let (w, acts, dst) = (jobs[j].0, jobs[j].1, &jobs[j].2);
             let (n_tok, n_out) = (acts.rows(), w.rows);
@@ -203,12 +204,16 @@ fn products_int8_rows(jobs: &mut [(&Weight, &quant::int8::QActs, &mut Tensor)]) 
                 int8::dot_span(rows, acts, 0, o);
                 continue;
             }
-            let mut o = [0f32; MAX_ROWS];
+            // A few streams' step or a verify batch: each weight row read once for up to
+            // MAX_ROWS token rows, by one span kernel call per group, then the results laid out
+            // token row by token row.
+            let rows = &w.src.bytes()[r0 * w.row_bytes..r1 * w.row_bytes];
             for t0 in (0..n_tok).step_by(MAX_ROWS) {
                 let n = MAX_ROWS.min(n_tok - t0);
-                for r in r0..r1 {
-                    int8::dot_rows(w.row_data(r), acts, t0, &mut o[..n]);
-                    for (i, &v) in o[..n].iter().enumerate() {
+                o.resize((r1 - r0) * n, 0.0);
+                int8::dot_span_rows(rows, acts, t0, n, &mut o);
+                for (r, v) in (r0..r1).zip(o.chunks_exact(n)) {
+                    for (i, &v) in v.iter().enumerate() {
                         // SAFETY: job j's output holds `n_tok` rows of `n_out` (checked above);
                         // this task alone writes its columns r0..r1.
                         unsafe { *dst.at((t0 + i) * n_out + r) = v };
