@@ -219,7 +219,10 @@ fn the_drain_finishes_running_requests_and_refuses_waiting_ones() {
     o.drain = Duration::from_secs(30);
     let h = start_with(long_settings(), o);
     let addr = h.addr;
-    let max_tokens = 600;
+    // Long enough that the two running requests cannot finish before the stop on a fast
+    // machine (600 tokens of the tiny model took under 200 ms on a Zen 5 and let a third
+    // request take a slot), within the slot's window of 4096.
+    let max_tokens = 3500;
     let clients: Vec<_> = (0..6)
         .map(|i| {
             std::thread::spawn(move || {
@@ -243,7 +246,16 @@ fn the_drain_finishes_running_requests_and_refuses_waiting_ones() {
             .count()
     };
     assert!(eventually(Duration::from_secs(10), || busy(addr) == 2));
-    std::thread::sleep(Duration::from_millis(200));
+    // The stop comes once the other four wait for a slot (a sleep instead raced the running
+    // requests' end).
+    let waiting = |a: SocketAddr| {
+        get(a, "/metrics")
+            .text()
+            .lines()
+            .find_map(|l| l.strip_prefix("llamacpp:requests_deferred "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    };
+    assert!(eventually(Duration::from_secs(10), || waiting(addr) == Some(4.0)));
     let t0 = Instant::now();
     h.stop().unwrap();
     let stopped_in = t0.elapsed();
