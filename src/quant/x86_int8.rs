@@ -228,8 +228,11 @@ unsafe fn ptq1_0_codes(b: *const u8) -> [u8; 128] {
 /// on PQ2_0 and 7.9 on Q8_0 per thread, 2 KiB 7.8 and 8.7, 4 KiB 7.9 and 9.4, 8 and 16 KiB no
 /// more. The 2-4-row kernels of a few streams' step or a verify stream the same way: in a
 /// same-run ABAB of `bench --engine --phases`, 4 KiB over 1 KiB took a 3-stream step from
-/// 71.2/91.0 ms to 70.6/73.8 ms.
-const PREFETCH_BYTES: usize = 4096;
+/// 71.2/91.0 ms to 70.6/73.8 ms. The multi-row span kernels read four (Q8_0) or two (PQ2_0)
+/// consecutive rows a pass, so 4 KiB ahead of the first is barely past the last: on a Zen 5
+/// (four ABAB pairs of the same bench), 8 KiB took the matmuls from 23.7 to 23.1 ms at 1 stream
+/// and from 29.5 to 28.2 ms at 3, means of four.
+const PREFETCH_BYTES: usize = 8192;
 
 #[inline(always)]
 unsafe fn prefetch(p: *const u8) {
