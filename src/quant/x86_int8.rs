@@ -457,6 +457,26 @@ macro_rules! pq2_0_span_body {
     }};
 }
 
+/// `pq2_0_span_body` over a span: one weight row a pass for one token row (memory-bound, no
+/// loads to share), two a pass for several (see `q8_0_vnni_span`).
+macro_rules! pq2_0_span {
+    ($n:ident, $rows:expr, $rb:expr, $a:expr, $t0:expr, $out:expr, $planes:expr) => {{
+        let (rows, rb, a, t0, out) = ($rows, $rb, $a, $t0, $out);
+        if $n == 1 {
+            pq2_0_span_body!(ONE, $n, rows, rb, a, t0, out, $planes)
+        } else {
+            in_groups::<2>(
+                rows,
+                rb,
+                $n,
+                out,
+                |r, o| pq2_0_span_body!(TWO, $n, r, rb, a, t0, o, $planes),
+                |r, o| pq2_0_span_body!(ONE, $n, r, rb, a, t0, o, $planes),
+            )
+        }
+    }};
+}
+
 /// A span in groups of `R` weight rows (`wide`) while whole groups last, then one at a time
 /// (`one`): the multi-row kernels take two or four weight rows per pass when several token
 /// rows share their activation loads.
@@ -495,17 +515,7 @@ unsafe fn pq2_0_vnni_span<const N: usize>(
             _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
         ]
     };
-    if N == 1 {
-        return pq2_0_span_body!(ONE, N, rows, rb, a, t0, out, planes);
-    }
-    in_groups::<2>(
-        rows,
-        rb,
-        N,
-        out,
-        |r, o| pq2_0_span_body!(TWO, N, r, rb, a, t0, o, planes),
-        |r, o| pq2_0_span_body!(ONE, N, r, rb, a, t0, o, planes),
-    )
+    pq2_0_span!(N, rows, rb, a, t0, out, planes)
 }
 
 const ONE: usize = 1;
@@ -517,10 +527,10 @@ unsafe fn pq2_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut
     pq2_0_vnni_span::<N>(row, row.len(), a, t0, out)
 }
 
-/// PQ2_0 over a span of rows, the planes by `vpermb`: it indexes a 64-byte table by each byte's low six bits, so
-/// the tables `(i >> 2s) & 3` give planes 0 to 2 of the code bytes in one instruction each (no
-/// mask), and plane 3 is the top two bits shifted down first. Four instructions on the shuffle
-/// port plus one shift, against seven shifts and masks.
+/// PQ2_0 over a span of rows, the planes by `vpermb`: it indexes a 64-byte table by each byte's
+/// low six bits, so the tables `(i >> 2s) & 3` give planes 0 to 2 of the code bytes in one
+/// instruction each (no mask), and plane 3 is the top two bits shifted down first. Four
+/// instructions on the shuffle port plus one shift, against seven shifts and masks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
 unsafe fn pq2_0_vbmi_span<const N: usize>(
     rows: &[u8],
@@ -542,17 +552,7 @@ unsafe fn pq2_0_vbmi_span<const N: usize>(
             _mm512_permutexvar_epi8(_mm512_srli_epi16::<6>(q), l0),
         ]
     };
-    if N == 1 {
-        return pq2_0_span_body!(ONE, N, rows, rb, a, t0, out, planes);
-    }
-    in_groups::<2>(
-        rows,
-        rb,
-        N,
-        out,
-        |r, o| pq2_0_span_body!(TWO, N, r, rb, a, t0, o, planes),
-        |r, o| pq2_0_span_body!(ONE, N, r, rb, a, t0, o, planes),
-    )
+    pq2_0_span!(N, rows, rb, a, t0, out, planes)
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
