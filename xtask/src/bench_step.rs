@@ -244,6 +244,46 @@ pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
         let gdn_ms = median(cores);
         let gdn_layers = st.rs.iter().flatten().count();
         let state_bytes = (gdn_layers * gp.ssm_state_len() * 4) as f64;
+        // The same from memory, as a step finds them (its matmuls stream hundreds of MB
+        // through the caches between two visits of a state): the calls cycle through enough
+        // copies of the states to outgrow the last-level cache (32 MiB on the bench machine).
+        let copies = (96e6 / state_bytes).ceil().max(2.0) as usize;
+        let mut states: Vec<Vec<_>> = (0..copies)
+            .map(|_| {
+                st.rs
+                    .iter()
+                    .flatten()
+                    .map(|r| {
+                        let mut c = be.new_recurrent(&gp);
+                        be.recurrent_copy(r, &mut c);
+                        c
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut cold = Vec::new();
+        for _ in 0..3 {
+            let mut at = 0;
+            cold.push(CpuBackend::run_step(|| {
+                time_ms(decode.max(copies), || {
+                    let gdn = w.layers.iter().filter_map(|l| match &l.mixer {
+                        Mixer::Gdn(g) => Some(g),
+                        _ => None,
+                    });
+                    for (g, rs) in gdn.zip(states[at % copies].iter_mut()) {
+                        let gw = GdnWeights {
+                            conv: &g.conv,
+                            dt_bias: &g.dt_bias,
+                            ssm_a: &g.ssm_a,
+                            norm: &g.norm,
+                        };
+                        std::hint::black_box(be.gdn(&gp, &mixed, &z, &beta, &alpha, &gw, rs));
+                    }
+                    at += 1;
+                })
+            }));
+        }
+        let gdn_cold_ms = median(cold);
         let matmul: f64 = classes.iter().map(|c| c.1).sum();
         println!(
             "\n{}: {:.1} MB read per token, {threads} threads",
@@ -279,6 +319,11 @@ pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
              ({:.1} MB) read and written at {:.2} GB/s",
             state_bytes / 1e6,
             2.0 * state_bytes / gdn_ms / 1e6
+        );
+        println!(
+            "  the same from memory ({copies} copies of the states in turn): {gdn_cold_ms:.2} ms, \
+             {:.2} GB/s",
+            2.0 * state_bytes / gdn_cold_ms / 1e6
         );
         println!(
             "weights streamed at {:.2} GB/s over the whole step, {:.2} GB/s over its matmuls; \

@@ -329,6 +329,10 @@ struct Token<'a> {
     /// `None` for the first token: its `S_oldᵀk` is summed here, a column block at a time,
     /// just before the block's sweep reads the same rows again from L1.
     kv: Option<&'a [f32]>,
+    /// On a call's last token, the live state of the V head after this one (the next in
+    /// its buffer, and mostly the next task of this thread): the sweep brings it into L2,
+    /// `COLS` floats a row, so the memory streams the next head while this one computes.
+    next_head: Option<*const f32>,
 }
 
 /// How many rows of a head's state ahead of the one being read a sweep asks for (a row of
@@ -337,17 +341,21 @@ struct Token<'a> {
 /// memory gives.
 const ROWS_AHEAD: usize = 8;
 
-/// Asks for the `n` floats at `p` to be brought into cache (x86; elsewhere a no-op).
+/// Asks for the `n` floats at `p` to be brought into cache (x86; elsewhere a no-op): into
+/// L1 (`L2` false) or L2.
 #[inline(always)]
-fn prefetch_row(p: *const f32, n: usize) {
+fn prefetch_row<const L2: bool>(p: *const f32, n: usize) {
     #[cfg(target_arch = "x86_64")]
     for off in (0..n).step_by(16) {
-        // SAFETY: prefetching is a hint and never faults; the caller passes a row inside
-        // the state.
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        let at = p.wrapping_add(off).cast();
+        // SAFETY: prefetching is a hint and never faults, whatever the address.
         unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(off).cast(),
-            )
+            if L2 {
+                _mm_prefetch::<_MM_HINT_T1>(at)
+            } else {
+                _mm_prefetch::<_MM_HINT_T0>(at)
+            }
         };
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -376,7 +384,14 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
     // rows a few ahead, so the column blocks after it find them in cache.
     let ahead = |i: usize| {
         if c0 == 0 && i + ROWS_AHEAD < d {
-            prefetch_row(src.add((i + ROWS_AHEAD) * d), d);
+            prefetch_row::<false>(src.add((i + ROWS_AHEAD) * d), d);
+        }
+    };
+    // This block's share of the next head: `C` floats for each of its rows, so the blocks
+    // of a sweep cover the next head's d x d once.
+    let next = |i: usize| {
+        if let Some(n) = tok.next_head {
+            prefetch_row::<true>(n.wrapping_add((c0 / C * d + i) * C), C);
         }
     };
     let kv: [f32; C] = match tok.kv {
@@ -400,6 +415,7 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
         if tok.kv.is_some() {
             ahead(i);
         }
+        next(i);
         let (ki, qi, kni) = (tok.k[i], tok.q[i], tok.k_next[i]);
         let mut row = load(i);
         for c in 0..C {
@@ -467,6 +483,7 @@ fn head_scan_body<const FMA: bool>(
             v: v_at(t),
             k_next: k_at((t + 1).min(n_tok - 1)),
             kv: (t > 0).then_some(&kv[..]),
+            next_head: (t + 1 == n_tok).then(|| bufs[0].as_ptr().wrapping_add(d * d)),
         };
         let o = &mut y[t * d..(t + 1) * d];
         let (si, di) = (src_of(at), dst_of(at));
