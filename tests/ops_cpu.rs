@@ -671,11 +671,61 @@ fn argmax() {
                 r.iter().position(|&v| v == m).unwrap() as u32
             })
             .collect();
-        assert_eq!(
-            be.argmax_rows(&be.from_host(&x, rows, cols)),
-            want,
-            "argmax {rows}x{cols}"
-        );
+        let t = be.from_host(&x, rows, cols);
+        assert_eq!(be.argmax_rows(&t), want, "argmax {rows}x{cols}");
+        // The one-pass greedy pick agrees row by row, and finds no bad value in finite rows.
+        for (r, &w) in want.iter().enumerate() {
+            assert_eq!(
+                be.argmax_checked(&t, r),
+                Some((w, None)),
+                "argmax_checked {rows}x{cols} row {r}"
+            );
+        }
+    }
+    // The first non-finite value of the row, wherever the chunks split it; the argmax is
+    // of the values before and after alike.
+    for (cols, at) in [(1, 0), (70_000, 3), (70_000, 16_384), (70_000, 69_999)] {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut x: Vec<f32> = (0..2 * cols).map(|i| (i % 97) as f32 * 0.01).collect();
+            x[cols + at] = bad;
+            if at + 5 < cols {
+                x[cols + at + 5] = f32::NAN;
+            }
+            let t = be.from_host(&x, 2, cols);
+            let got = be.argmax_checked(&t, 1).expect("the cpu scans in place");
+            assert_eq!(got.1.map(|b| b.0), Some(at), "{cols} cols, {bad} at {at}");
+            assert_eq!(
+                got.1.map(|b| b.1.to_bits()),
+                Some(bad.to_bits()),
+                "{cols} cols"
+            );
+            assert_eq!(be.argmax_checked(&t, 0).unwrap().1, None, "row 0 is finite");
+        }
+    }
+}
+
+/// `split_rows` gives what `rows` copies, run by run, including empty runs.
+#[test]
+fn split_rows_match_row_copies() {
+    let be = cpu();
+    let mut rng = Rng(1057);
+    for (cols, counts) in [
+        (5, vec![1]),
+        (7, vec![1, 1, 1]),
+        (3, vec![2, 0, 3, 1]),
+        (1000, vec![4, 1]),
+    ] {
+        let rows: usize = counts.iter().sum();
+        let x = rng.vec(rows * cols, 1.0);
+        let t = be.from_host(&x, rows, cols);
+        let parts = be.split_rows(be.from_host(&x, rows, cols), &counts);
+        assert_eq!(parts.len(), counts.len());
+        let mut at = 0;
+        for (p, &n) in parts.iter().zip(&counts) {
+            assert_eq!((p.rows, p.cols), (n, cols), "{counts:?}");
+            assert_eq!(be.to_host(p), be.to_host(&be.rows(&t, at, n)), "{counts:?}");
+            at += n;
+        }
     }
 }
 

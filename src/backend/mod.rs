@@ -395,6 +395,30 @@ pub trait Backend: Send + Sync {
 
     fn argmax_rows(&self, x: &Self::T) -> Vec<u32>;
 
+    /// Row `row` of `x`'s argmax (as `argmax_rows`) and its first non-finite value as
+    /// `(index, value)`, read in one pass where the row lies; `None` on a backend whose rows
+    /// are not host memory, where a caller reads the row back or takes `argmax_rows`. Plain
+    /// greedy sampling on the CPU checked each logits row in a copy, then found its argmax
+    /// in a second pass: three passes over a megabyte per stream and token.
+    fn argmax_checked(&self, _x: &Self::T, _row: usize) -> Option<(u32, Option<(usize, f32)>)> {
+        None
+    }
+
+    /// `t` cut into consecutive runs of `counts` rows (summing to its rows), as `rows` would
+    /// copy them; a backend may move the data instead (the CPU keeps the first run in `t`'s
+    /// buffer).
+    fn split_rows(&self, t: Self::T, counts: &[usize]) -> Vec<Self::T> {
+        let mut at = 0;
+        counts
+            .iter()
+            .map(|&n| {
+                let part = self.rows(&t, at, n);
+                at += n;
+                part
+            })
+            .collect()
+    }
+
     /// LayerNorm with weight and bias over each row (the vision tower's ln1/ln2/post_ln), as
     /// `ggml_norm` then `ggml_mul`, `ggml_add`: mean and variance of the row, then
     /// `((x - mean) * scale) * w + b` with `scale = 1 / sqrt(var + eps)`, each step rounded to

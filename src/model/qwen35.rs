@@ -776,18 +776,13 @@ impl Picks {
         if self.h.len() == 1 {
             return vec![Output { logits, h }];
         }
-        let mut at = (0, 0);
-        self.h
-            .iter()
-            .zip(&self.logits)
-            .map(|(&(_, c), &(_, l))| {
-                let out = Output {
-                    logits: be.rows(&logits, at.1, l),
-                    h: be.rows(&h, at.0, c),
-                };
-                at = (at.0 + c, at.1 + l);
-                out
-            })
+        let counts = |runs: &[(usize, usize)]| runs.iter().map(|r| r.1).collect::<Vec<_>>();
+        let logits = be.split_rows(logits, &counts(&self.logits));
+        let h = be.split_rows(h, &counts(&self.h));
+        logits
+            .into_iter()
+            .zip(h)
+            .map(|(logits, h)| Output { logits, h })
             .collect()
     }
 }

@@ -453,11 +453,16 @@ impl<B: Backend> SlotDecoder<B> {
         } else {
             None
         };
-        let picked = (n_rows != 1).then(|| be.rows(logits, row, 1));
-        let t = picked.as_ref().unwrap_or(logits);
         // Plain greedy needs only the id from the device; a mask or probabilities need the row.
         let id_only = self.sampler.is_greedy() && mask.is_none() && self.probs.is_none();
-        let host = (!id_only || be.name() == "cpu" || self.last.is_none()).then(|| be.to_host(t));
+        // Where the backend scans the row in place (the CPU), it checks and picks in one pass.
+        let in_place = id_only.then(|| be.argmax_checked(logits, row)).flatten();
+        if let Some((_, Some((token, value)))) = in_place {
+            return Err(ModelError::NonFiniteLogits { row, token, value });
+        }
+        let picked = (in_place.is_none() && n_rows != 1).then(|| be.rows(logits, row, 1));
+        let t = picked.as_ref().unwrap_or(logits);
+        let host = (in_place.is_none() && (!id_only || self.last.is_none())).then(|| be.to_host(t));
         if let Some(h) = &host {
             if let Some((token, value)) = non_finite(h) {
                 return Err(ModelError::NonFiniteLogits { row, token, value });
@@ -479,7 +484,10 @@ impl<B: Backend> SlotDecoder<B> {
                     id
                 }
             }
-            _ => be.argmax_rows(t)[0],
+            _ => match in_place {
+                Some((id, _)) => id,
+                None => be.argmax_rows(t)[0],
+            },
         };
         self.sampler.accept(id);
         let mut woke = false;

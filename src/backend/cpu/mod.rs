@@ -987,6 +987,78 @@ impl Backend for CpuBackend {
             .collect()
     }
 
+    fn argmax_checked(&self, x: &Tensor, row: usize) -> Option<(u32, Option<(usize, f32)>)> {
+        let row = x.row(row);
+        if row.is_empty() {
+            return Some((0, None));
+        }
+        // Per chunk: its largest value and whether it is all finite, lane-wise in one pass
+        // the compiler vectorizes (the branchy first-max loop of `argmax_rows` ran at about a
+        // value a nanosecond), then the first index holding that value; across chunks in
+        // order, as `argmax_rows`. A row with a non-finite value is refused whatever its
+        // argmax, so only finite rows need the exact one.
+        const L: usize = 16;
+        type Found = (usize, f32);
+        let parts: Vec<(Found, Option<Found>)> = row
+            .par_chunks(ELEM_CHUNK)
+            .enumerate()
+            .map(|(c, ch)| {
+                let i0 = c * ELEM_CHUNK;
+                let (mut m, mut finite) = ([f32::NEG_INFINITY; L], [true; L]);
+                let blocks = ch.chunks_exact(L);
+                let tail = blocks.remainder();
+                for b in blocks {
+                    for l in 0..L {
+                        m[l] = if b[l] > m[l] { b[l] } else { m[l] };
+                        finite[l] &= b[l].is_finite();
+                    }
+                }
+                let mut max = m.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+                let mut all_finite = finite.iter().all(|&f| f);
+                for &v in tail {
+                    max = max.max(v);
+                    all_finite &= v.is_finite();
+                }
+                if !all_finite {
+                    let (i, &v) = (i0..).zip(ch).find(|(_, v)| !v.is_finite()).expect("one");
+                    return ((i0, ch[0]), Some((i, v)));
+                }
+                let at = ch
+                    .iter()
+                    .position(|&v| v == max)
+                    .expect("the max is in the chunk");
+                ((i0 + at, max), None)
+            })
+            .collect();
+        let bad = parts.iter().find_map(|p| p.1);
+        let best = parts
+            .iter()
+            .fold((0, row[0]), |b, p| if p.0 .1 > b.1 { p.0 } else { b });
+        Some((best.0 as u32, bad))
+    }
+
+    fn split_rows(&self, mut t: Tensor, counts: &[usize]) -> Vec<Tensor> {
+        assert_eq!(
+            counts.iter().sum::<usize>(),
+            t.rows,
+            "split_rows: row counts"
+        );
+        // From the last run back, so the first keeps the buffer without a copy.
+        let mut parts = Vec::with_capacity(counts.len());
+        for &n in counts.iter().skip(1).rev() {
+            let data = t.data.split_off((t.rows - n) * t.cols);
+            t.rows -= n;
+            parts.push(Tensor {
+                data,
+                rows: n,
+                cols: t.cols,
+            });
+        }
+        parts.push(t);
+        parts.reverse();
+        parts
+    }
+
     fn layer_norm(&self, x: &Tensor, w: &Weight, b: &Weight, eps: f32) -> Tensor {
         let (w, b) = (w.dense(), b.dense());
         assert_eq!(w.len(), x.cols, "layer_norm: weight width");
