@@ -82,7 +82,7 @@ fn time_ms(reps: usize, mut f: impl FnMut()) -> f64 {
     )
 }
 
-pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
+pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
     let threads = rayon::current_num_threads();
     println!("{} | rayon threads {threads}", load_average());
     // 512 MiB, touched once so that the passes read memory, not fresh zero pages.
@@ -142,9 +142,10 @@ pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
             std::hint::black_box(be.argmax_rows(&logits));
         });
         // Each class's products over every layer, with a step's input shapes.
+        // `rows` token rows (a few streams' step), the same activations in each.
         let row = |cols: usize| {
-            let x: Vec<f32> = crate::bench::bench_acts(cols);
-            be.from_host(&x, 1, cols)
+            let x: Vec<f32> = crate::bench::bench_acts(cols).repeat(rows);
+            be.from_host(&x, rows, cols)
         };
         let (h, ff, attn) = (
             row(cfg.n_embd),
@@ -286,7 +287,7 @@ pub fn run(files: &[PathBuf], decode: usize) -> Result<()> {
         let gdn_cold_ms = median(cold);
         let matmul: f64 = classes.iter().map(|c| c.1).sum();
         println!(
-            "\n{}: {:.1} MB read per token, {threads} threads",
+            "\n{}: {:.1} MB read per token, {threads} threads, matmuls of {rows} token row(s)",
             f.display(),
             streamed as f64 / 1e6
         );

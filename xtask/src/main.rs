@@ -58,12 +58,13 @@ const USAGE: &str = "usage: cargo xtask <task>
   bench --kernels --span
                         only the decode-shape table: one activation row at bench-0.8b's row
                         widths, in L2, per row (dot_rows) and per span (dot_span), GB/s
-  bench --step [--decode N] [FILE...]
+  bench --step [--decode N] [--rows R] [FILE...]
                         a one-row decode step's wall time split on the CPU serving path: matmul
                         ms per class of matrix (GDN/attention in and out, FFN, output head), the
-                        rest, the GDN cores (ms, GB/s of state), argmax, context switches per
-                        step, against the read bandwidth of 1 and all threads and the bytes a
-                        token reads; default files as bench
+                        rest, the GDN cores (ms, GB/s of state, in cache and from memory),
+                        argmax, context switches per step, against the read bandwidth of 1 and
+                        all threads and the bytes a token reads; default files as bench
+                        (--rows R: the matmul classes with R token rows, as R streams' step)
   bench --vision [--no-llama] [--runs N] [--model F] [--mmproj F] [--image F]
                         image tokens/s of one encode on the CPU, tern vs llama.cpp (mtmd, the
                         Python binding) on the same projector and image (default: the fixtures'
@@ -598,9 +599,9 @@ fn bench_depth_cli(root: &std::path::Path, args: &[String], at: usize) -> Result
     bench_depth::run(root, &o)
 }
 
-/// `bench --step [--decode N] [FILE...]`.
+/// `bench --step [--decode N] [--rows R] [FILE...]`.
 fn bench_step_cli(root: &std::path::Path, args: &[String]) -> Result<()> {
-    let (mut files, mut decode) = (Vec::new(), 32);
+    let (mut files, mut decode, mut rows) = (Vec::new(), 32, 1);
     let mut it = args.iter().filter(|a| *a != "--step");
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -608,6 +609,12 @@ fn bench_step_cli(root: &std::path::Path, args: &[String]) -> Result<()> {
                 decode = match it.next().map(|v| v.parse::<usize>()) {
                     Some(Ok(n)) if n > 0 => n,
                     _ => bail!("--decode needs a positive number\n{USAGE}"),
+                }
+            }
+            "--rows" => {
+                rows = match it.next().map(|v| v.parse::<usize>()) {
+                    Some(Ok(n)) if (1..=4).contains(&n) => n,
+                    _ => bail!("--rows needs 1 to 4\n{USAGE}"),
                 }
             }
             f if !f.starts_with("--") => files.push(PathBuf::from(f)),
@@ -623,7 +630,7 @@ fn bench_step_cli(root: &std::path::Path, args: &[String]) -> Result<()> {
             f.display()
         );
     }
-    bench_step::run(&files, decode)
+    bench_step::run(&files, decode, rows)
 }
 
 /// The bench files `cargo xtask fixtures --bench` writes, when no file is named.
