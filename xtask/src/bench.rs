@@ -174,26 +174,34 @@ pub(crate) fn load_average() -> String {
     format!("load average {}", f.join(" "))
 }
 
-/// Stock llama.cpp's own `llama-bench` (`exe`) on `path`: pp of the prompt and tg of the decoded
-/// tokens, `o.runs` repetitions each, 2 threads (its median-free report gives the mean).
+/// Stock llama.cpp's own `llama-bench` (`exe`) on `path`: pp of the prompt, and tg of the decoded
+/// tokens at the prompt's depth (`-d`: tern's decode follows its prompt, and llama-bench's tg
+/// alone starts from an empty cache, which after a 2,048-token prompt made llama.cpp's decode
+/// the cheaper one to compare), `o.runs` repetitions each, 2 threads (its median-free report
+/// gives the mean).
 fn bench_llama_bench(exe: &Path, path: &Path, o: &Options) -> Result<Value> {
-    let out = Command::new(exe)
-        .arg("-m")
-        .arg(path)
-        .args(["-p", &o.prompt_tokens.to_string()])
-        .args(["-n", &o.decode_tokens.to_string()])
-        .args(["-t", "2", "-r", &o.runs.to_string(), "-o", "json"])
-        .output()
-        .with_context(|| format!("running {} (TERN_LLAMA_BENCH)", exe.display()))?;
-    if !out.status.success() {
-        bail!(
-            "llama-bench failed on {}: {}",
-            path.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let tests: Vec<Value> = serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("llama-bench's JSON on {}", path.display()))?;
+    let run = |args: &[String]| -> Result<Vec<Value>> {
+        let out = Command::new(exe)
+            .arg("-m")
+            .arg(path)
+            .args(args)
+            .args(["-t", "2", "-r", &o.runs.to_string(), "-o", "json"])
+            .output()
+            .with_context(|| format!("running {} (TERN_LLAMA_BENCH)", exe.display()))?;
+        if !out.status.success() {
+            bail!(
+                "llama-bench failed on {}: {}",
+                path.display(),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("llama-bench's JSON on {}", path.display()))
+    };
+    let (p, n) = (o.prompt_tokens.to_string(), o.decode_tokens.to_string());
+    let s = |v: &[&str]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+    let mut tests = run(&s(&["-p", &p, "-n", "0"]))?;
+    tests.extend(run(&s(&["-p", "0", "-n", &n, "-d", &p]))?);
     let rate = |prompt: bool| -> Result<f64> {
         tests
             .iter()
@@ -217,6 +225,7 @@ fn bench_llama_bench(exe: &Path, path: &Path, o: &Options) -> Result<Value> {
         "prefill_tokens": o.prompt_tokens,
         "prefill_tps": rate(true)?,
         "decode_tokens": o.decode_tokens,
+        "decode_depth": o.prompt_tokens,
         "decode_tps": decode_tps,
         "decode_weight_gbps": streamed as f64 * decode_tps / 1e9,
     }))

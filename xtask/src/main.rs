@@ -43,7 +43,8 @@ const USAGE: &str = "usage: cargo xtask <task>
                         tern vs stock llama.cpp on the bench files (default: fixtures/bench/*);
                         cpu is the serving path (int8 activations), cpu-exact the f32 reference;
                         llama.cpp through its Python binding and, with TERN_LLAMA_BENCH=path,
-                        its own llama-bench (then the ratios' anchor); --rounds N alternates
+                        its own llama-bench (then the ratios' anchor; its tg at the prompt's
+                        depth, -d N, as tern decodes after the prompt); --rounds N alternates
                         tern and llama.cpp N times and reports medians; --prompt 128,2048
                         gives the table once per prompt length (target/bench/bench-pN.json);
                         GB/s of weights streamed per decoded token, and on cuda against the
