@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use rayon::prelude::*;
-use tern::backend::cpu::CpuBackend;
+use tern::backend::cpu::{CpuBackend, Recurrent, Weight};
 use tern::backend::{Backend, GdnWeights};
 use tern::model::weights::Mixer;
 use tern::model::Model;
@@ -224,19 +224,25 @@ pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
         let gp = cfg.gdn_params();
         let (mixed, z) = (row(gp.conv_dim()), row(gp.n_v * gp.d));
         let (beta, alpha) = (row(gp.n_v), row(gp.n_v));
+        // One layer's GDN core on a state, as a step runs it (attention layers have none).
+        let core = |mixer: &Mixer<Weight>, rs: &mut Recurrent| {
+            if let Mixer::Gdn(g) = mixer {
+                let gw = GdnWeights {
+                    conv: &g.conv,
+                    dt_bias: &g.dt_bias,
+                    ssm_a: &g.ssm_a,
+                    norm: &g.norm,
+                };
+                std::hint::black_box(be.gdn(&gp, &mixed, &z, &beta, &alpha, &gw, rs));
+            }
+        };
         let mut cores = Vec::new();
         for _ in 0..3 {
             cores.push(CpuBackend::run_step(|| {
                 time_ms(decode, || {
                     for (l, rs) in w.layers.iter().zip(st.rs.iter_mut()) {
-                        if let (Mixer::Gdn(g), Some(rs)) = (&l.mixer, rs.as_mut()) {
-                            let gw = GdnWeights {
-                                conv: &g.conv,
-                                dt_bias: &g.dt_bias,
-                                ssm_a: &g.ssm_a,
-                                norm: &g.norm,
-                            };
-                            std::hint::black_box(be.gdn(&gp, &mixed, &z, &beta, &alpha, &gw, rs));
+                        if let Some(rs) = rs.as_mut() {
+                            core(&l.mixer, rs);
                         }
                     }
                 })
@@ -267,18 +273,9 @@ pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
             let mut at = 0;
             cold.push(CpuBackend::run_step(|| {
                 time_ms(decode.max(copies), || {
-                    let gdn = w.layers.iter().filter_map(|l| match &l.mixer {
-                        Mixer::Gdn(g) => Some(g),
-                        _ => None,
-                    });
-                    for (g, rs) in gdn.zip(states[at % copies].iter_mut()) {
-                        let gw = GdnWeights {
-                            conv: &g.conv,
-                            dt_bias: &g.dt_bias,
-                            ssm_a: &g.ssm_a,
-                            norm: &g.norm,
-                        };
-                        std::hint::black_box(be.gdn(&gp, &mixed, &z, &beta, &alpha, &gw, rs));
+                    let gdn = w.layers.iter().filter(|l| matches!(l.mixer, Mixer::Gdn(_)));
+                    for (l, rs) in gdn.zip(states[at % copies].iter_mut()) {
+                        core(&l.mixer, rs);
                     }
                     at += 1;
                 })
