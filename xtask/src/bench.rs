@@ -180,28 +180,17 @@ pub(crate) fn load_average() -> String {
 /// the cheaper one to compare), `o.runs` repetitions each, 2 threads (its median-free report
 /// gives the mean).
 fn bench_llama_bench(exe: &Path, path: &Path, o: &Options) -> Result<Value> {
-    let run = |args: &[String]| -> Result<Vec<Value>> {
-        let out = Command::new(exe)
-            .arg("-m")
-            .arg(path)
-            .args(args)
-            .args(["-t", "2", "-r", &o.runs.to_string(), "-o", "json"])
-            .output()
-            .with_context(|| format!("running {} (TERN_LLAMA_BENCH)", exe.display()))?;
-        if !out.status.success() {
-            bail!(
-                "llama-bench failed on {}: {}",
-                path.display(),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        serde_json::from_slice(&out.stdout)
-            .with_context(|| format!("llama-bench's JSON on {}", path.display()))
-    };
-    let (p, n) = (o.prompt_tokens.to_string(), o.decode_tokens.to_string());
-    let s = |v: &[&str]| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
-    let mut tests = run(&s(&["-p", &p, "-n", "0"]))?;
-    tests.extend(run(&s(&["-p", "0", "-n", &n, "-d", &p]))?);
+    let (p, n, r) = (
+        o.prompt_tokens.to_string(),
+        o.decode_tokens.to_string(),
+        o.runs.to_string(),
+    );
+    let mut tests = llama_bench_tests(exe, path, &["-p", &p, "-n", "0", "-r", &r])?;
+    tests.extend(llama_bench_tests(
+        exe,
+        path,
+        &["-p", "0", "-n", &n, "-d", &p, "-r", &r],
+    )?);
     let rate = |prompt: bool| -> Result<f64> {
         tests
             .iter()
@@ -229,6 +218,27 @@ fn bench_llama_bench(exe: &Path, path: &Path, o: &Options) -> Result<Value> {
         "decode_tps": decode_tps,
         "decode_weight_gbps": streamed as f64 * decode_tps / 1e9,
     }))
+}
+
+/// `llama-bench` (`exe`) on `file` with `args`, 2 threads: its JSON list of tests.
+pub(crate) fn llama_bench_tests(exe: &Path, file: &Path, args: &[&str]) -> Result<Vec<Value>> {
+    let out = Command::new(exe)
+        .arg("-m")
+        .arg(file)
+        .args(args)
+        .args(["-t", "2", "-o", "json"])
+        .output()
+        .with_context(|| format!("running {} (TERN_LLAMA_BENCH)", exe.display()))?;
+    if !out.status.success() {
+        bail!(
+            "llama-bench {} failed on {}: {}",
+            args.join(" "),
+            file.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("llama-bench's JSON on {}", file.display()))
 }
 
 fn bench_llama(path: &Path, o: &Options, script: &Path) -> Result<Value> {

@@ -5,17 +5,16 @@
 //! One round per depth: a 16k prefill alone takes minutes per engine on a 2-core machine.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use serde_json::{json, Value};
+use serde_json::json;
 use tern::backend::cpu::CpuBackend;
 use tern::backend::{Backend, KvTypes};
 use tern::model::Model;
 use tern::tensor::GgmlType;
 
-use crate::bench::{load_average, prompt};
+use crate::bench::{llama_bench_tests, load_average, prompt};
 
 /// Prompt rows per forward while filling the cache (the engine's default ubatch).
 const UBATCH: usize = 512;
@@ -74,23 +73,8 @@ fn tern_at(
 
 /// `llama-bench -d depth -p 0 -n decode -r 1 -t 2`: its tg rate at that depth.
 fn llama_at(exe: &Path, file: &Path, depth: usize, decode: usize) -> Result<f64> {
-    let out = Command::new(exe)
-        .arg("-m")
-        .arg(file)
-        .args(["-p", "0", "-n", &decode.to_string()])
-        .args(["-d", &depth.to_string()])
-        .args(["-t", "2", "-r", "1", "-o", "json"])
-        .output()
-        .with_context(|| format!("running {} (TERN_LLAMA_BENCH)", exe.display()))?;
-    if !out.status.success() {
-        bail!(
-            "llama-bench -d {depth} failed on {}: {}",
-            file.display(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let tests: Vec<Value> = serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("llama-bench's JSON on {}", file.display()))?;
+    let (d, n) = (depth.to_string(), decode.to_string());
+    let tests = llama_bench_tests(exe, file, &["-p", "0", "-n", &n, "-d", &d, "-r", "1"])?;
     tests
         .iter()
         .find(|t| t["n_gen"].as_u64().is_some_and(|n| n > 0))

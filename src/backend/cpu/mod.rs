@@ -455,6 +455,67 @@ fn rows_per_task(cols: usize) -> usize {
     (ELEM_CHUNK / cols.max(1)).max(1)
 }
 
+/// A value and its index in a row.
+type Found = (usize, f32);
+
+/// `row`'s argmax (the first index of the largest value; NaN never wins) and its first
+/// non-finite value, per chunk in parallel and then across the chunks in order (the CPU's
+/// `argmax_rows` and `argmax_checked`).
+fn scan_row(row: &[f32]) -> (u32, Option<Found>) {
+    if row.is_empty() {
+        return (0, None);
+    }
+    let first_max = |best: Found, (i, v): Found| if v > best.1 { (i, v) } else { best };
+    let parts: Vec<(Found, Option<Found>)> = row
+        .par_chunks(ELEM_CHUNK)
+        .enumerate()
+        .map(|(c, ch)| scan_chunk(ch, c * ELEM_CHUNK))
+        .collect();
+    let best = parts.iter().map(|p| p.0).fold((0, row[0]), first_max);
+    (best.0 as u32, parts.iter().find_map(|p| p.1))
+}
+
+/// One chunk of `scan_row`, its first value at index `i0`. A finite chunk takes its largest
+/// value lane-wise in a pass the compiler vectorizes, then the first index holding it (the
+/// branchy first-max loop ran at about a value a nanosecond, a third of a millisecond per
+/// logits row); a chunk with a non-finite value takes that loop, where NaN never wins.
+fn scan_chunk(ch: &[f32], i0: usize) -> (Found, Option<Found>) {
+    const L: usize = 16;
+    let (mut m, mut finite) = ([f32::NEG_INFINITY; L], [true; L]);
+    let blocks = ch.chunks_exact(L);
+    let tail = blocks.remainder();
+    for b in blocks {
+        for l in 0..L {
+            m[l] = if b[l] > m[l] { b[l] } else { m[l] };
+            finite[l] &= b[l].is_finite();
+        }
+    }
+    let mut max = m.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+    let mut all_finite = finite.iter().all(|&f| f);
+    for &v in tail {
+        max = max.max(v);
+        all_finite &= v.is_finite();
+    }
+    if !all_finite {
+        let mut best = (i0, ch[0]);
+        let mut bad = None;
+        for (i, &v) in (i0..).zip(ch) {
+            if v > best.1 {
+                best = (i, v);
+            }
+            if bad.is_none() && !v.is_finite() {
+                bad = Some((i, v));
+            }
+        }
+        return (best, bad);
+    }
+    let at = ch
+        .iter()
+        .position(|&v| v == max)
+        .expect("the max is in the chunk");
+    ((i0 + at, max), None)
+}
+
 /// Token counts up to this go through the multi-token row kernels rather than `gemm`: below it,
 /// dequantizing a tile costs more than decoding the blocks in registers once per token set.
 const SMALL_BATCH: usize = 4;
@@ -957,84 +1018,11 @@ impl Backend for CpuBackend {
     }
 
     fn argmax_rows(&self, x: &Tensor) -> Vec<u32> {
-        // The first index of the largest value (NaN never wins), per chunk and then across
-        // the chunks in order.
-        let first_max = |best: (usize, f32), (i, v): (usize, f32)| {
-            if v > best.1 {
-                (i, v)
-            } else {
-                best
-            }
-        };
-        (0..x.rows)
-            .map(|r| {
-                let row = x.row(r);
-                if row.is_empty() {
-                    return 0;
-                }
-                let best = row
-                    .par_chunks(ELEM_CHUNK)
-                    .enumerate()
-                    .map(|(c, ch)| {
-                        let i0 = c * ELEM_CHUNK;
-                        (i0..).zip(ch.iter().copied()).fold((i0, ch[0]), first_max)
-                    })
-                    .collect::<Vec<_>>()
-                    .into_iter()
-                    .fold((0, row[0]), first_max);
-                best.0 as u32
-            })
-            .collect()
+        (0..x.rows).map(|r| scan_row(x.row(r)).0).collect()
     }
 
     fn argmax_checked(&self, x: &Tensor, row: usize) -> Option<(u32, Option<(usize, f32)>)> {
-        let row = x.row(row);
-        if row.is_empty() {
-            return Some((0, None));
-        }
-        // Per chunk: its largest value and whether it is all finite, lane-wise in one pass
-        // the compiler vectorizes (the branchy first-max loop of `argmax_rows` ran at about a
-        // value a nanosecond), then the first index holding that value; across chunks in
-        // order, as `argmax_rows`. A row with a non-finite value is refused whatever its
-        // argmax, so only finite rows need the exact one.
-        const L: usize = 16;
-        type Found = (usize, f32);
-        let parts: Vec<(Found, Option<Found>)> = row
-            .par_chunks(ELEM_CHUNK)
-            .enumerate()
-            .map(|(c, ch)| {
-                let i0 = c * ELEM_CHUNK;
-                let (mut m, mut finite) = ([f32::NEG_INFINITY; L], [true; L]);
-                let blocks = ch.chunks_exact(L);
-                let tail = blocks.remainder();
-                for b in blocks {
-                    for l in 0..L {
-                        m[l] = if b[l] > m[l] { b[l] } else { m[l] };
-                        finite[l] &= b[l].is_finite();
-                    }
-                }
-                let mut max = m.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
-                let mut all_finite = finite.iter().all(|&f| f);
-                for &v in tail {
-                    max = max.max(v);
-                    all_finite &= v.is_finite();
-                }
-                if !all_finite {
-                    let (i, &v) = (i0..).zip(ch).find(|(_, v)| !v.is_finite()).expect("one");
-                    return ((i0, ch[0]), Some((i, v)));
-                }
-                let at = ch
-                    .iter()
-                    .position(|&v| v == max)
-                    .expect("the max is in the chunk");
-                ((i0 + at, max), None)
-            })
-            .collect();
-        let bad = parts.iter().find_map(|p| p.1);
-        let best = parts
-            .iter()
-            .fold((0, row[0]), |b, p| if p.0 .1 > b.1 { p.0 } else { b });
-        Some((best.0 as u32, bad))
+        Some(scan_row(x.row(row)))
     }
 
     fn split_rows(&self, mut t: Tensor, counts: &[usize]) -> Vec<Tensor> {
