@@ -586,7 +586,14 @@ impl Panel {
             if super::x86_int8::panel_row(ty, row, &tiling, codes, dw, isa) {
                 continue;
             }
-            decode_codes(ty, row, c, d);
+            #[cfg(target_arch = "x86_64")]
+            let vector =
+                ty == GgmlType::PTQ1_0 && super::x86_int8::ptq1_0_row_codes(row, c, d, isa);
+            #[cfg(not(target_arch = "x86_64"))]
+            let vector = false;
+            if !vector {
+                decode_codes(ty, row, c, d);
+            }
             tiling.interleave(c, codes);
             tiling.spread(d, dw, true);
         }
@@ -766,12 +773,13 @@ pub fn gemm_vectorized() -> bool {
 /// Token rows from which the tiled product beats the row kernels on weights of type `ty`: it
 /// decodes each weight row into a panel once per product, which only enough token rows repay.
 /// `cargo xtask bench --kernels` measured the crossover (tiled over row kernels, decoding
-/// included): Q8_0 0.51 at 16 rows and 1.41 at 64, Q4_0 0.64 and 1.86, PQ2_0 0.83 and 1.55,
-/// PTQ1_0 (whose trits decode slowly) 0.28 and 1.07.
+/// included): Q8_0 0.51 at 16 rows and 1.41 at 64, Q4_0 0.64 and 1.86, PQ2_0 0.83 and 1.55.
+/// PTQ1_0 read 0.28 and 1.07 while its panels decoded trits through f32; with the AVX-512
+/// decoder (`x86_int8::ptq1_0_row_codes`) 0.82 at 16, 0.99 at 24, 1.39 at 32 and 2.11 at 64
+/// (Zen 5), so it starts where Q8_0 does.
 pub fn tiled_min_rows(ty: GgmlType) -> usize {
     match ty {
         GgmlType::PQ2_0 | GgmlType::Q2_0Legacy => 24,
-        GgmlType::PTQ1_0 => 64,
         _ => 32,
     }
 }
