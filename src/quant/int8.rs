@@ -74,6 +74,32 @@ pub struct QActs {
     pub(super) pairs: Vec<i8>,
     pub(super) d16: Vec<f32>,
     pub(super) o16: Vec<f32>,
+    /// For PTQ1_0 (see [`digit_levels`]): per row and block, 5 × 32 i16 levels `y[n][j]`.
+    pub(super) digits: Vec<i16>,
+}
+
+/// The i16 lanes of one PTQ1_0 activation block that meet the base-3 digit prefixes of its
+/// weight bytes: lane `j` of vector `n` (byte j of the block, trit n, 26 bytes in 32 lanes) holds
+/// `x[n][j] - 3 * x[n + 1][j]`, `x[n][j]` the level of the element that trit n of byte j encodes
+/// (0 where none: lanes 26..32, the fifth trit of the two `qh` bytes). With `A_n(j) = floor(byte_j
+/// * 3^(n+1) / 256)`, the prefix of byte j's first n + 1 trits, trit n is `A_n - 3 * A_(n-1)`, so
+/// `Σ_n A_n · y_n = Σ_n trit_n · x_n`: the block's integer sum with no trit decoded.
+pub(crate) fn digit_levels(q: &[i8], y: &mut [i16]) {
+    debug_assert_eq!((q.len(), y.len()), (128, 160));
+    let x = |n: usize, j: usize| -> i16 {
+        let e = match j {
+            0..16 if n < 5 => 16 * n + j,
+            16..24 if n < 5 => 80 + 8 * n + (j - 16),
+            24..26 if n < 4 => 120 + 2 * n + (j - 24),
+            _ => return 0,
+        };
+        q[e] as i16
+    };
+    for n in 0..5 {
+        for j in 0..32 {
+            y[32 * n + j] = x(n, j) - 3 * x(n + 1, j);
+        }
+    }
 }
 
 /// PQ2_0's levels for the one-row kernels, a row's blocks taken two at a time: code plane `s`
@@ -131,6 +157,7 @@ impl QActs {
             pairs: Vec::new(),
             d16: Vec::new(),
             o16: Vec::new(),
+            digits: Vec::new(),
         };
         let nbr = k / qk;
         #[cfg(target_arch = "x86_64")]
@@ -155,6 +182,12 @@ impl QActs {
                 .zip(a.qs.par_chunks_mut(k))
                 .zip(a.d.par_chunks_mut(nbr).zip(a.o.par_chunks_mut(nbr)))
                 .for_each(|((x, q), (d, o))| row(x, q, d, o));
+        }
+        if ty == GgmlType::PTQ1_0 {
+            a.digits = vec![0; nb * 160];
+            for (q, y) in a.qs.chunks_exact(128).zip(a.digits.chunks_exact_mut(160)) {
+                digit_levels(q, y);
+            }
         }
         if qk == 32 {
             a.d8 = a.d.iter().flat_map(|&d| [d; 8]).collect();

@@ -1062,3 +1062,44 @@ fn gdn_permutation_round_trips_and_matches_the_formula() {
         })
     );
 }
+
+/// The PTQ1_0 kernels' digit identity (`int8::digit_levels`): for random blocks, including
+/// every byte value (bytes above 242 decode too, and must decode as the scalar decoder does),
+/// `Σ_n Σ_j floor(byte_j * 3^(n+1) / 256) * y[n][j]` is the block's integer sum `Σ trit * level`.
+#[test]
+fn ptq1_0_digit_levels_give_the_trit_sum() {
+    let mut rng = Rng(0xd161_7a11);
+    let mut w = [0f32; 128];
+    for round in 0..64 {
+        let mut blk = [0u8; 28];
+        for (i, b) in blk.iter_mut().enumerate() {
+            // The first rounds walk every byte value through every position.
+            *b = if round < 10 {
+                (26 * round + i) as u8
+            } else {
+                rng.below(256) as u8
+            };
+        }
+        let q: Vec<i8> = (0..128)
+            .map(|_| (rng.below(255) as i32 - 127) as i8)
+            .collect();
+        ptq1_0::decode(&blk, &mut w);
+        let want: i32 = w
+            .iter()
+            .zip(&q)
+            .map(|(&l, &x)| (l as i32 + 1) * x as i32)
+            .sum();
+        let mut y = [0i16; 160];
+        int8::digit_levels(&q, &mut y);
+        let mut got = 0i32;
+        for n in 0..5 {
+            for j in 0..32 {
+                // Lanes past the 26 code bytes meet the scale bytes and zeros in the kernel.
+                let byte = if j < 28 { blk[j] as i32 } else { 0 };
+                let a = (byte * 3i32.pow(n as u32 + 1)) >> 8;
+                got += a * y[32 * n + j] as i32;
+            }
+        }
+        assert_eq!(got, want, "round {round}: block {blk:?}");
+    }
+}
