@@ -832,6 +832,22 @@ pub fn write_bench(dir: &Path) -> Result<()> {
         "file": "bench-0.8b-pq2_0.gguf", "bytes": bytes, "sha256": sha, "weight_type": "PQ2_0",
         "sign_widths": pq.sign_widths, "folded": pq.folded,
     }));
+    // The same model as PTQ1_0 (1.75 bits a weight), for the PTQ1_0 kernels' rows of the
+    // table: every PQ2_0 tensor re-packed block by block, its scale kept and its codes with
+    // the fourth level (+2, which PTQ1_0 cannot hold) clamped to +1. Random codes either way;
+    // only the shapes and the bytes read matter to a timing.
+    let src = Gguf::open(&path).with_context(|| format!("re-opening {}", path.display()))?;
+    let tq = ptq1_0_of_pq2_0(
+        &src,
+        "tern bench-0.8b (PTQ1_0, Hadamard-folded, random codes)",
+    )?;
+    drop(src);
+    let path = dir.join("bench-0.8b-ptq1_0.gguf");
+    let (bytes, sha) = write_checked(&tq, &path)?;
+    entries.push(serde_json::json!({
+        "file": "bench-0.8b-ptq1_0.gguf", "bytes": bytes, "sha256": sha, "weight_type": "PTQ1_0",
+        "from": "bench-0.8b-pq2_0.gguf",
+    }));
     let manifest = serde_json::json!({"seed": format!("{SEED:#018x}"), "fixtures": entries});
     std::fs::write(
         dir.join("manifest.json"),
@@ -851,6 +867,39 @@ pub fn write_bench(dir: &Path) -> Result<()> {
     );
     println!("bench files written in {:.1}s", t0.elapsed().as_secs_f64());
     Ok(())
+}
+
+/// `src` (a PQ2_0 file) with its PQ2_0 tensors stored as PTQ1_0: per block the same scale and
+/// the codes 0..3 (element j at bits 2(j % 4) of byte j / 4) with 3 taken as 2.
+fn ptq1_0_of_pq2_0(src: &Gguf, name: &str) -> Result<GgufWriter> {
+    let mut w = GgufWriter::new();
+    for (k, v) in src.metadata() {
+        let v = match k.as_str() {
+            // As train_demo's PTQ1_0 file: loaders read the tensor types, not this.
+            "general.file_type" => Value::U32(142),
+            "general.name" => Value::String(name.into()),
+            _ => v.clone(),
+        };
+        w.set(k, v);
+    }
+    for t in src.tensors() {
+        let data = src.tensor_data(t);
+        if t.ty != GgmlType::PQ2_0 {
+            w.add_tensor(&t.name, &t.dims, t.ty, data.to_vec());
+            continue;
+        }
+        let mut out = Vec::with_capacity(data.len() / fold::PQ2_0_BYTES * fold::PTQ1_0_BYTES);
+        let mut codes = [0u8; 128];
+        for b in data.chunks_exact(fold::PQ2_0_BYTES) {
+            for (j, c) in codes.iter_mut().enumerate() {
+                *c = ((b[2 + j / 4] >> (2 * (j % 4))) & 3).min(2);
+            }
+            let d = f16::from_le_bytes([b[0], b[1]]);
+            out.extend_from_slice(&fold::encode_ptq1_0_block(d, &codes));
+        }
+        w.add_tensor(&t.name, &t.dims, GgmlType::PTQ1_0, out);
+    }
+    Ok(w)
 }
 
 #[cfg(test)]

@@ -28,7 +28,7 @@ const USAGE: &str = "usage: cargo xtask <task>
                         write the tiny golden-test GGUFs, their twins and manifest.json to fixtures/,
                         the LoRA adapters (fixtures/lora/) and the vision set (fixtures/vision/: a
                         tiny-vl text model, Qwen3-VL projectors in F32/F16/Q8_0, test images)
-  fixtures --bench      write fixtures/bench/bench-0.8b-{q8_0,pq2_0}.gguf (large, not committed)
+  fixtures --bench      write fixtures/bench/bench-0.8b-{q8_0,pq2_0,ptq1_0}.gguf (large, not committed)
   goldens [--perplexity-only | --lora-only | --vision-only]
                         run stock llama.cpp (llama-cpp-python) and the NumPy reference on the
                         fixtures, writing fixtures/golden/ (needs TERN_PYTHON or python3 with
@@ -637,8 +637,12 @@ fn bench_step_cli(root: &std::path::Path, args: &[String]) -> Result<()> {
 /// The bench files `cargo xtask fixtures --bench` writes, when no file is named.
 fn default_bench_files(root: &std::path::Path) -> Vec<PathBuf> {
     let d = root.join("fixtures/bench");
-    ["bench-0.8b-q8_0.gguf", "bench-0.8b-pq2_0.gguf"]
-        .iter()
-        .map(|f| d.join(f))
-        .collect()
+    [
+        "bench-0.8b-q8_0.gguf",
+        "bench-0.8b-pq2_0.gguf",
+        "bench-0.8b-ptq1_0.gguf",
+    ]
+    .iter()
+    .map(|f| d.join(f))
+    .collect()
 }
