@@ -489,6 +489,52 @@ fn int8_multi_row_spans_match_dot_rows_bit_for_bit_on_every_isa() {
     }
 }
 
+/// The wrappers the backend calls (`dot_rows`, `dot_span`, `dot_span_rows`, which pass an x86
+/// variant as their "best") run this CPU's best kernel: bit for bit what the last of
+/// `int8::isas()` gives. On aarch64 this holds only if every x86 variant ranks above the NEON
+/// ones, the rule `Isa`'s order keeps (qemu's `max` CPU: NeonDot, not the plain Neon kernel).
+#[test]
+fn int8_default_wrappers_run_the_best_isa() {
+    let isas = int8::isas();
+    assert!(isas.windows(2).all(|w| w[0] < w[1]), "{isas:?}: best last");
+    let best = *isas.last().unwrap();
+    let mut rng = Rng(0x5a4e_0003);
+    for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
+        let k = match ty {
+            Q8_0 | Q4_0 => 1056,
+            _ => 1152,
+        };
+        let n_out = 5;
+        let w = random_rows(&mut rng, ty, k, n_out);
+        let rb = w.len() / n_out;
+        let x = random_acts(&mut rng, MAX_ROWS * k);
+        let acts = QActs::quantize(ty, &x, k);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for n in 1..=MAX_ROWS {
+            let (mut got, mut want) = (vec![0f32; n], vec![0f32; n]);
+            int8::dot_rows(&w[..rb], &acts, 0, &mut got);
+            int8::dot_rows_isa(&w[..rb], &acts, 0, &mut want, best);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{ty} dot_rows, {n} rows, best {best:?}"
+            );
+            let (mut got, mut want) = (vec![0f32; n * n_out], vec![0f32; n * n_out]);
+            int8::dot_span_rows(&w, &acts, 0, n, &mut got);
+            int8::dot_span_rows_isa(&w, &acts, 0, n, &mut want, best);
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{ty} dot_span_rows, {n} rows, best {best:?}"
+            );
+        }
+        let (mut got, mut want) = (vec![0f32; n_out], vec![0f32; n_out]);
+        int8::dot_span(&w, &acts, 1, &mut got);
+        int8::dot_span_isa(&w, &acts, 1, &mut want, best);
+        assert_eq!(bits(&got), bits(&want), "{ty} dot_span, best {best:?}");
+    }
+}
+
 /// Rows quantized together (inline for a decode step's few rows, in parallel for many) are
 /// each what quantizing the row alone gives: the products agree bit for bit.
 #[test]

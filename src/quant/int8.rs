@@ -7,7 +7,9 @@
 //! Q8_0 as `q + 128` (the bias turns its signed bytes into the unsigned operand of
 //! `vpdpbusd` / `vpmaddubsw`), Q4_0 as its nibbles with `z = 8`, PQ2_0 and PTQ1_0 as their codes
 //! with `z = 1`. So a block's dot is `dw * (dx * Σ c·q - z * dx * Σ q)`, and the second term is
-//! computed once per activation block when quantizing (`QActs::o`).
+//! computed once per activation block when quantizing (`QActs::o`). The NEON kernels
+//! (`arm_int8.rs`) read signed levels `c - z` instead, since `sdot` is signed by signed, and
+//! need no second term.
 //!
 //! Activation blocks: 32 elements for Q8_0 and Q4_0 (the weight block), 128 for PQ2_0 and PTQ1_0
 //! (one scale pair per ternary block). PQ2_0's activations are stored interleaved within each
@@ -228,10 +230,17 @@ impl QActs {
     }
 }
 
-/// The instruction sets the kernels are written for, in order.
+/// The instruction sets the kernels are written for. A caller's `isa` means "at most this" and
+/// each architecture's kernels are compared with `>=` in their own order, so the Arm ones rank
+/// below every x86 one: the public wrappers' x86 best (`Avx512Vnni`, `Avx512Vbmi`) selects the
+/// best NEON kernel on aarch64, and a NEON variant on x86 the portable kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Isa {
     Portable,
+    /// NEON without the dot-product extension (Armv8.0: Cortex-A53, A72).
+    Neon,
+    /// NEON with `sdot` (Armv8.2's dot-product extension).
+    NeonDot,
     Avx2,
     Avx512Vnni,
     /// VNNI with VBMI's byte permutes (Ice Lake and later): the one-row kernels' PQ2_0 code
@@ -252,6 +261,15 @@ pub fn isas() -> Vec<Isa> {
         }
         if super::x86_int8::vbmi() {
             v.push(Isa::Avx512Vbmi);
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if super::arm_int8::neon() {
+            v.push(Isa::Neon);
+        }
+        if super::arm_int8::dotprod() {
+            v.push(Isa::NeonDot);
         }
     }
     v
@@ -315,7 +333,12 @@ pub fn dot_rows_isa(row: &[u8], acts: &QActs, t0: usize, out: &mut [f32], isa: I
     if super::x86_int8::dot_rows(row, acts, t0, out, isa) {
         return;
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    // A span of one row: the same kernel as `dot_span`'s, so the same bits.
+    #[cfg(target_arch = "aarch64")]
+    if super::arm_int8::dot_span(row, row.len(), acts, t0, n, out, isa) {
+        return;
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = isa;
     for (i, o) in out.iter_mut().enumerate() {
         *o = dot_portable(row, acts, t0 + i);
@@ -352,7 +375,11 @@ pub fn dot_span_isa(rows: &[u8], acts: &QActs, t: usize, out: &mut [f32], isa: I
     if super::x86_int8::dot_span(rows, rb, acts, t, 1, out, isa) {
         return;
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    if super::arm_int8::dot_span(rows, rb, acts, t, 1, out, isa) {
+        return;
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = isa;
     for (o, row) in out.iter_mut().zip(rows.chunks_exact(rb)) {
         *o = dot_portable(row, acts, t);
@@ -400,7 +427,11 @@ pub fn dot_span_rows_isa(
     if super::x86_int8::dot_span(rows, rb, acts, t0, n, out, isa) {
         return;
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    if super::arm_int8::dot_span(rows, rb, acts, t0, n, out, isa) {
+        return;
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     let _ = isa;
     for (o, row) in out.chunks_exact_mut(n).zip(rows.chunks_exact(rb)) {
         for (i, o) in o.iter_mut().enumerate() {
@@ -410,7 +441,7 @@ pub fn dot_span_rows_isa(
 }
 
 /// The integer kernel without SIMD: the reference the vector paths are tested against, and the
-/// path of CPUs without AVX2 (aarch64 included: no NEON kernel yet).
+/// path of CPUs with neither AVX2 nor NEON.
 pub fn dot_portable(row: &[u8], a: &QActs, t: usize) -> f32 {
     let q = a.row(t);
     let nb = a.blocks();

@@ -4,6 +4,8 @@
 //! Quantizers follow ggml's `*_ref` functions byte for byte (and PrismML's fork for PQ2_0 and
 //! PTQ1_0), so files we write load in llama.cpp and files we read decode to the same numbers.
 
+#[cfg(target_arch = "aarch64")]
+mod arm_int8;
 mod fp;
 pub mod hadamard;
 pub mod int8;

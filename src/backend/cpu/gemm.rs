@@ -23,6 +23,7 @@ use crate::tensor::GgmlType;
 
 /// Rows of the first operand per `dots` kernel call (the dispatch in `Dots::run` instantiates
 /// the kernel for 1 to 4).
+#[cfg(target_arch = "x86_64")]
 const MT: usize = 4;
 /// Rows of the second operand per `dots` kernel call (1 to 3 in `x86::dots_m`).
 const NR: usize = 3;
@@ -33,8 +34,11 @@ const KC: usize = 1024;
 /// them. Each token row is read once per tile, so tall tiles keep that traffic low when the
 /// token rows do not fit in the caches (long prompts).
 const TILE_ROWS: usize = 96;
-/// Output rows per `outer` kernel call, and 8-lane column vectors.
+/// Output rows per `outer` kernel call, and 8-lane column vectors (the x86 kernel's shape; the
+/// plain loops have none).
+#[cfg(target_arch = "x86_64")]
 const OM: usize = 6;
+#[cfg(target_arch = "x86_64")]
 const OV: usize = 2;
 
 thread_local! {
