@@ -99,34 +99,27 @@ fn span_of<F: Format>(
 }
 
 /// The weight-row loop inside the target-feature function, so that the row kernel (and `sdot`)
-/// inline into it and the dispatch is paid once per span.
-#[target_feature(enable = "neon,dotprod")]
-unsafe fn span_sdot<F: Format, const N: usize>(
-    rows: &[u8],
-    rb: usize,
-    a: &QActs,
-    t0: usize,
-    out: &mut [f32],
-) {
-    for (o, row) in out.chunks_exact_mut(N).zip(rows.chunks_exact(rb)) {
-        row_kernel::<F, true, N>(row.as_ptr(), a, t0, o);
-    }
+/// inline into it and the dispatch is paid once per span. Two of them: `sdot` must not reach
+/// code compiled for (and run on) a CPU without the dot-product extension.
+macro_rules! span_fn {
+    ($name:ident, $feat:literal, $sdot:literal) => {
+        #[target_feature(enable = $feat)]
+        unsafe fn $name<F: Format, const N: usize>(
+            rows: &[u8],
+            rb: usize,
+            a: &QActs,
+            t0: usize,
+            out: &mut [f32],
+        ) {
+            for (o, row) in out.chunks_exact_mut(N).zip(rows.chunks_exact(rb)) {
+                row_kernel::<F, $sdot, N>(row.as_ptr(), a, t0, o);
+            }
+        }
+    };
 }
 
-/// [`span_sdot`] without the dot-product extension: `sdot` must not reach code the CPU
-/// cannot run, so this one is compiled without the feature.
-#[target_feature(enable = "neon")]
-unsafe fn span_neon<F: Format, const N: usize>(
-    rows: &[u8],
-    rb: usize,
-    a: &QActs,
-    t0: usize,
-    out: &mut [f32],
-) {
-    for (o, row) in out.chunks_exact_mut(N).zip(rows.chunks_exact(rb)) {
-        row_kernel::<F, false, N>(row.as_ptr(), a, t0, o);
-    }
-}
+span_fn!(span_sdot, "neon,dotprod", true);
+span_fn!(span_neon, "neon", false);
 
 /// A weight format as the row kernel reads it: blocks of `BYTES` bytes, an f16 scale at
 /// `SCALE`, and `16 * V` signed levels that meet the block's activations in order.

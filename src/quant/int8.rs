@@ -76,7 +76,9 @@ pub struct QActs {
     pub(super) pairs: Vec<i8>,
     pub(super) d16: Vec<f32>,
     pub(super) o16: Vec<f32>,
-    /// For PTQ1_0 (see [`digit_levels`]): per row and block, 5 × 32 i16 levels `y[n][j]`.
+    /// For PTQ1_0 on x86 (see [`digit_levels`]): per row and block, 5 × 32 i16 levels
+    /// `y[n][j]`.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) digits: Vec<i16>,
 }
 
@@ -86,20 +88,18 @@ pub struct QActs {
 /// (0 where none: lanes 26..32, the fifth trit of the two `qh` bytes). With `A_n(j) = floor(byte_j
 /// * 3^(n+1) / 256)`, the prefix of byte j's first n + 1 trits, trit n is `A_n - 3 * A_(n-1)`, so
 /// `Σ_n A_n · y_n = Σ_n trit_n · x_n`: the block's integer sum with no trit decoded.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) fn digit_levels(q: &[i8], y: &mut [i16]) {
     debug_assert_eq!((q.len(), y.len()), (128, 160));
-    let x = |n: usize, j: usize| -> i16 {
-        let e = match j {
-            0..16 if n < 5 => 16 * n + j,
-            16..24 if n < 5 => 80 + 8 * n + (j - 16),
-            24..26 if n < 4 => 120 + 2 * n + (j - 24),
-            _ => return 0,
-        };
-        q[e] as i16
-    };
+    // x[n][j], with a sixth row of zeros for x[n + 1] of the last trit.
+    let mut x = [[0i16; 32]; 6];
+    for (e, &l) in q.iter().enumerate() {
+        let (j, n) = super::ptq1_0::place(e);
+        x[n][j] = l as i16;
+    }
     for n in 0..5 {
         for j in 0..32 {
-            y[32 * n + j] = x(n, j) - 3 * x(n + 1, j);
+            y[32 * n + j] = x[n][j] - 3 * x[n + 1][j];
         }
     }
 }
@@ -185,6 +185,8 @@ impl QActs {
                 .zip(a.d.par_chunks_mut(nbr).zip(a.o.par_chunks_mut(nbr)))
                 .for_each(|((x, q), (d, o))| row(x, q, d, o));
         }
+        // Only the x86 VNNI kernel reads them (`x86_int8::ptq1_0_vnni`).
+        #[cfg(target_arch = "x86_64")]
         if ty == GgmlType::PTQ1_0 {
             a.digits = vec![0; nb * 160];
             for (q, y) in a.qs.chunks_exact(128).zip(a.digits.chunks_exact_mut(160)) {
@@ -651,8 +653,7 @@ impl Panel {
                 continue;
             }
             #[cfg(target_arch = "x86_64")]
-            let vector =
-                ty == GgmlType::PTQ1_0 && super::x86_int8::ptq1_0_row_codes(row, c, d, isa);
+            let vector = super::x86_int8::decode_codes(ty, row, c, d, isa);
             #[cfg(not(target_arch = "x86_64"))]
             let vector = false;
             if !vector {
@@ -839,7 +840,7 @@ pub fn gemm_vectorized() -> bool {
 /// `cargo xtask bench --kernels` measured the crossover (tiled over row kernels, decoding
 /// included): Q8_0 0.51 at 16 rows and 1.41 at 64, Q4_0 0.64 and 1.86, PQ2_0 0.83 and 1.55.
 /// PTQ1_0 read 0.28 and 1.07 while its panels decoded trits through f32; with the AVX-512
-/// decoder (`x86_int8::ptq1_0_row_codes`) 0.82 at 16, 0.99 at 24, 1.39 at 32 and 2.11 at 64
+/// decoder (`x86_int8::decode_codes`) 0.82 at 16, 0.99 at 24, 1.39 at 32 and 2.11 at 64
 /// (Zen 5), so it starts where Q8_0 does.
 pub fn tiled_min_rows(ty: GgmlType) -> usize {
     match ty {

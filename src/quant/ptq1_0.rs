@@ -14,6 +14,18 @@ pub(crate) const BYTES: usize = 28;
 
 pub(crate) const POW3: [u8; 5] = [1, 3, 9, 27, 81];
 
+/// Where element `e` of a block lies: the byte that holds it and its trit's place in that byte
+/// (the packing in the module doc).
+pub(crate) const fn place(e: usize) -> (usize, usize) {
+    if e < 80 {
+        (e % 16, e / 16)
+    } else if e < 120 {
+        (16 + (e - 80) % 8, (e - 80) / 8)
+    } else {
+        (24 + (e - 120) % 2, (e - 120) / 2)
+    }
+}
+
 #[inline(always)]
 fn trit(byte: u8, n: usize) -> f32 {
     let q = byte.wrapping_mul(POW3[n]);

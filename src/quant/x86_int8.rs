@@ -10,7 +10,7 @@
 use std::arch::x86_64::*;
 
 use super::int8::{Isa, Panel, QActs, TiledActs, Tiling, GROUP, MAX_ROWS};
-use super::ptq1_0::POW3;
+use super::ptq1_0::{place, POW3};
 use crate::tensor::GgmlType;
 
 pub(super) fn vnni() -> bool {
@@ -165,7 +165,6 @@ span_of!(
     ptq1_0_vnni,
     "avx512f,avx512bw,avx512vnni,avx2,fma,f16c"
 );
-
 span_of!(q8_0_avx2_span, q8_0_avx2, "avx2,fma,f16c");
 span_of!(q4_0_avx2_span, q4_0_avx2, "avx2,fma,f16c");
 span_of!(pq2_0_avx2_span, pq2_0_avx2, "avx2,fma,f16c");
@@ -563,13 +562,7 @@ const fn ptq1_0_lanes(pow: bool) -> [[i16; 32]; 4] {
     let mut t = [[0i16; 32]; 4];
     let mut e = 0;
     while e < 128 {
-        let (byte, n) = if e < 80 {
-            (e % 16, e / 16)
-        } else if e < 120 {
-            (16 + (e - 80) % 8, (e - 80) / 8)
-        } else {
-            (24 + (e - 120) % 2, (e - 120) / 2)
-        };
+        let (byte, n) = place(e);
         t[e / 32][e % 32] = if pow { POW3[n] as i16 } else { byte as i16 };
         e += 1;
     }
@@ -600,7 +593,7 @@ unsafe fn ptq1_0_codes512<const VBMI: bool>(blk: *const u8) -> [__m512i; 2] {
         _mm512_mulhi_epu16(t, three)
     });
     if VBMI {
-        // `VBMI` is the caller's word that the CPU has it (`ptq1_0_vbmi`, `ptq1_0_row_codes`).
+        // `VBMI` is the caller's word that the CPU has it (`ptq1_0_codes512_vbmi`).
         [pack_words_vbmi(w[0], w[1]), pack_words_vbmi(w[2], w[3])]
     } else {
         let pack = |a: __m512i, b: __m512i| {
@@ -669,10 +662,17 @@ unsafe fn ptq1_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mu
     }
 }
 
-/// The codes (in element order) and scales of a row of PTQ1_0 blocks, for the tiled product's
-/// panels (`int8::Panel::decode_isa`); false without AVX-512 BW or below `isa` VNNI.
-pub(super) fn ptq1_0_row_codes(row: &[u8], codes: &mut [u8], dw: &mut [f32], isa: Isa) -> bool {
-    if isa < Isa::Avx512Vnni || !vnni() {
+/// [`int8::Panel::decode_isa`](super::int8::Panel::decode_isa)'s vector path for the types
+/// `panel_row` does not write in place: a row's codes (in element order) and block scales, for
+/// PTQ1_0; false for the other types, or without AVX-512 BW or below `isa` VNNI.
+pub(super) fn decode_codes(
+    ty: GgmlType,
+    row: &[u8],
+    codes: &mut [u8],
+    dw: &mut [f32],
+    isa: Isa,
+) -> bool {
+    if ty != GgmlType::PTQ1_0 || isa < Isa::Avx512Vnni || !vnni() {
         return false;
     }
     // SAFETY: AVX-512 F and BW (part of `vnni`) checked above; each block's 28 bytes and
