@@ -232,6 +232,14 @@ unsafe fn ptq1_0_codes(b: *const u8) -> [u8; 128] {
 /// consecutive rows a pass, so 4 KiB ahead of the first is barely past the last: on a Zen 5
 /// (four ABAB pairs of the same bench), 8 KiB took the matmuls from 23.7 to 23.1 ms at 1 stream
 /// and from 29.5 to 28.2 ms at 3, means of four.
+///
+/// A pass over R rows asks from one cursor that runs through the R rows' bytes in address
+/// order, R blocks' worth a step (`q8_0_vnni_rows`, `pq2_0_span_body`), not from each row's
+/// own read point: R interleaved streams 8 KiB ahead each prefetched the same lines but out of
+/// address order. Streaming 780 MB of Q8_0 rows of 1,024 columns from memory on 2 threads (Zen
+/// 5, the kernels alternated in one process, medians of 7-15, four runs): 3 token rows
+/// 29.4 / 34.1 / 29.8 / 26.1 -> 33.2 / 40.4 / 31.3 / 33.2 GB/s, beside 1 token row (one row a
+/// pass: the same addresses as before) at 35.7 / 51.2 / 37.8 / 36.1.
 const PREFETCH_BYTES: usize = 8192;
 
 #[inline(always)]
@@ -305,7 +313,7 @@ unsafe fn q8_0_vnni_rows<const R: usize, const N: usize>(
         let mut dw = [_mm512_setzero_ps(); R];
         for j in 0..R {
             let blk = p[j].add(b * 34);
-            prefetch(blk);
+            prefetch(p[0].add((b * R + 2 * j) * 34));
             let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
             let w1 = _mm256_loadu_si256(blk.add(36) as *const __m256i);
             w[j] = _mm512_xor_si512(
@@ -400,7 +408,7 @@ macro_rules! pq2_0_span_body {
                 let mut dw = [_mm512_setzero_ps(); $r];
                 for j in 0..$r {
                     let blk = p[j].add(pp * 68);
-                    prefetch(blk);
+                    prefetch(p[0].add((pp * $r + j) * 68));
                     let q = _mm512_inserti64x4::<1>(
                         _mm512_castsi256_si512(_mm256_loadu_si256(blk.add(2) as *const __m256i)),
                         _mm256_loadu_si256(blk.add(36) as *const __m256i),
