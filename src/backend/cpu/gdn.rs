@@ -284,9 +284,33 @@ fn head_scan(
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
         // SAFETY: the features are present.
-        return unsafe { head_scan_fma(p, j, rows, z, b, a, w, bufs, y) };
+        return unsafe {
+            if is_x86_feature_detected!("avx512f") {
+                head_scan_avx512(p, j, rows, z, b, a, w, bufs, y)
+            } else {
+                head_scan_fma(p, j, rows, z, b, a, w, bufs, y)
+            }
+        };
     }
-    head_scan_body::<false>(p, j, rows, z, b, a, w, bufs, y)
+    head_scan_body::<false, false>(p, j, rows, z, b, a, w, bufs, y)
+}
+
+/// `head_scan_body` with its column blocks swept in AVX-512 registers (`sweep32_avx512`).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn head_scan_avx512(
+    p: &GdnParams,
+    j: usize,
+    rows: &Rows<'_>,
+    z: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    w: &Weights<'_>,
+    bufs: &mut [&mut [f32]],
+    y: &mut [f32],
+) {
+    head_scan_body::<true, true>(p, j, rows, z, b, a, w, bufs, y)
 }
 
 /// `head_scan_body` compiled for AVX2 with fused multiply-adds.
@@ -304,7 +328,7 @@ unsafe fn head_scan_fma(
     bufs: &mut [&mut [f32]],
     y: &mut [f32],
 ) {
-    head_scan_body::<true>(p, j, rows, z, b, a, w, bufs, y)
+    head_scan_body::<true, false>(p, j, rows, z, b, a, w, bufs, y)
 }
 
 /// `a * b + c`, fused when the caller is compiled with FMA.
@@ -429,6 +453,81 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
     kv_next[c0..c0 + C].copy_from_slice(&kn);
 }
 
+/// `sweep::<true, 32>` with its arrays held in two AVX-512 registers each: the same fused
+/// multiply-adds lane for lane, so the same bits. The compiler kept `sweep`'s 32-float
+/// accumulator of the first token's `S_oldᵀk` in scalars and rebuilt vectors from them every
+/// row (`vinsertps` chains with stack spills, about half of the core's time in a profile of a
+/// decode step), so a step's GDN cores ran at 18-21 GB/s of state, in cache as from memory.
+///
+/// # Safety
+/// As `sweep`, and the CPU has AVX-512 F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+#[inline]
+unsafe fn sweep32_avx512(
+    src: *const f32,
+    dst: *mut f32,
+    d: usize,
+    c0: usize,
+    tok: &Token<'_>,
+    o: &mut [f32],
+    kv_next: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let (s, t) = (src.add(c0), dst.add(c0));
+    let mut kv = [_mm512_setzero_ps(); 2];
+    match tok.kv {
+        Some(k) => {
+            let k = k[c0..c0 + 32].as_ptr();
+            kv = [_mm512_loadu_ps(k), _mm512_loadu_ps(k.add(16))];
+        }
+        None => {
+            for i in 0..d {
+                if c0 == 0 && i + ROWS_AHEAD < d {
+                    prefetch_row::<false>(src.add((i + ROWS_AHEAD) * d), d);
+                }
+                let ki = _mm512_set1_ps(tok.k[i]);
+                let r = s.add(i * d);
+                kv[0] = _mm512_fmadd_ps(_mm512_loadu_ps(r), ki, kv[0]);
+                kv[1] = _mm512_fmadd_ps(_mm512_loadu_ps(r.add(16)), ki, kv[1]);
+            }
+        }
+    }
+    let (beta, decay) = (_mm512_set1_ps(tok.beta), _mm512_set1_ps(tok.decay));
+    let v = tok.v[c0..c0 + 32].as_ptr();
+    let mut dl = [_mm512_setzero_ps(); 2];
+    for h in 0..2 {
+        let kd = _mm512_mul_ps(decay, kv[h]);
+        dl[h] = _mm512_mul_ps(beta, _mm512_sub_ps(_mm512_loadu_ps(v.add(16 * h)), kd));
+    }
+    let mut oa = [_mm512_setzero_ps(); 2];
+    let mut kn = [_mm512_setzero_ps(); 2];
+    for i in 0..d {
+        if tok.kv.is_some() && c0 == 0 && i + ROWS_AHEAD < d {
+            prefetch_row::<false>(src.add((i + ROWS_AHEAD) * d), d);
+        }
+        if let Some(n) = tok.next_head {
+            prefetch_row::<true>(n.wrapping_add((c0 / 32 * d + i) * 32), 32);
+        }
+        let (ki, qi, kni) = (
+            _mm512_set1_ps(tok.k[i]),
+            _mm512_set1_ps(tok.q[i]),
+            _mm512_set1_ps(tok.k_next[i]),
+        );
+        for h in 0..2 {
+            let row = _mm512_loadu_ps(s.add(i * d + 16 * h));
+            let row = _mm512_fmadd_ps(ki, dl[h], _mm512_mul_ps(row, decay));
+            oa[h] = _mm512_fmadd_ps(row, qi, oa[h]);
+            kn[h] = _mm512_fmadd_ps(row, kni, kn[h]);
+            _mm512_storeu_ps(t.add(i * d + 16 * h), row);
+        }
+    }
+    for h in 0..2 {
+        _mm512_storeu_ps(o[c0 + 16 * h..c0 + 16 * h + 16].as_mut_ptr(), oa[h]);
+        _mm512_storeu_ps(kv_next[c0 + 16 * h..c0 + 16 * h + 16].as_mut_ptr(), kn[h]);
+    }
+}
+
 /// The recurrence of §4 step 9 for one head, per token:
 /// ```text
 /// S = S·exp(g);  kv = Sᵀk;  δ = β(v − kv);  S += k ⊗ δ;  o = Sᵀq
@@ -438,7 +537,7 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
 /// the next token's `S_oldᵀk` from the same row: one sweep of the state per token.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn head_scan_body<const FMA: bool>(
+fn head_scan_body<const FMA: bool, const AVX512: bool>(
     p: &GdnParams,
     j: usize,
     rows: &Rows<'_>,
@@ -500,6 +599,13 @@ fn head_scan_body<const FMA: bool>(
         // or two distinct ones of `bufs`.
         unsafe {
             for c0 in (0..full).step_by(COLS) {
+                // AVX512 is set only by `head_scan_avx512`, after the feature check.
+                #[cfg(target_arch = "x86_64")]
+                if AVX512 {
+                    const { assert!(COLS == 32) };
+                    sweep32_avx512(src, dst, d, c0, &tok, o, &mut kv_next);
+                    continue;
+                }
                 sweep::<FMA, COLS>(src, dst, d, c0, &tok, o, &mut kv_next);
             }
             for c0 in full..d {
@@ -525,6 +631,61 @@ mod tests {
             .map(|i| (((i * 7919 + seed * 104_729) % 1000) as f32 / 500.0 - 1.0) * 0.5)
             .collect();
         Tensor { data, rows, cols }
+    }
+
+    /// The AVX-512 sweep gives `sweep::<true, 32>`'s bits: the state it writes (in place and
+    /// out of place), the head's output and the next token's `S_oldᵀk`, with the first token's
+    /// `S_oldᵀk` summed in the sweep or given.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn avx512_sweep_matches_the_fma_sweep_bit_for_bit() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma")) {
+            eprintln!("no AVX-512 F here: the AVX-512 sweep is not run");
+            return;
+        }
+        let d = 128;
+        let v = |seed: usize, n: usize| tensor(1, n, seed).data;
+        let state = v(1, d * d);
+        let (k, q, vv, kn, kv0) = (v(2, d), v(3, d), v(4, d), v(5, d), v(6, d));
+        let next = v(7, d * d);
+        for given_kv in [false, true] {
+            for in_place in [false, true] {
+                let tok = Token {
+                    decay: 0.93,
+                    beta: 0.61,
+                    q: &q,
+                    k: &k,
+                    v: &vv,
+                    k_next: &kn,
+                    kv: given_kv.then_some(&kv0[..]),
+                    next_head: Some(next.as_ptr()),
+                };
+                let run = |wide: bool| {
+                    let mut src = state.clone();
+                    let mut dst = vec![0f32; d * d];
+                    let (mut o, mut kvn) = (vec![0f32; d], vec![0f32; d]);
+                    let sp = src.as_mut_ptr();
+                    let dp = if in_place { sp } else { dst.as_mut_ptr() };
+                    for c0 in (0..d).step_by(32) {
+                        // SAFETY: both buffers hold d * d values; AVX-512 F checked above.
+                        unsafe {
+                            if wide {
+                                sweep32_avx512(sp, dp, d, c0, &tok, &mut o, &mut kvn);
+                            } else {
+                                sweep::<true, 32>(sp, dp, d, c0, &tok, &mut o, &mut kvn);
+                            }
+                        }
+                    }
+                    let written = if in_place { src } else { dst };
+                    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                    (bits(&written), bits(&o), bits(&kvn))
+                };
+                assert!(
+                    run(true) == run(false),
+                    "kv given {given_kv}, in place {in_place}"
+                );
+            }
+        }
     }
 
     /// A batch longer than a chunk gives the outputs and state of feeding it token by token.
