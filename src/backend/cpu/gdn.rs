@@ -295,41 +295,44 @@ fn head_scan(
     head_scan_body::<false, false>(p, j, rows, z, b, a, w, bufs, y)
 }
 
-/// `head_scan_body` with its column blocks swept in AVX-512 registers (`sweep32_avx512`).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn head_scan_avx512(
-    p: &GdnParams,
-    j: usize,
-    rows: &Rows<'_>,
-    z: &Tensor,
-    b: &Tensor,
-    a: &Tensor,
-    w: &Weights<'_>,
-    bufs: &mut [&mut [f32]],
-    y: &mut [f32],
-) {
-    head_scan_body::<true, true>(p, j, rows, z, b, a, w, bufs, y)
+/// `head_scan_body` compiled for a set of x86 features: `$fma` fuses its multiply-adds,
+/// `$avx512` sweeps the column blocks in AVX-512 registers (`sweep32_avx512`).
+macro_rules! head_scan_for {
+    ($(#[$doc:meta])* $name:ident, $features:literal, $fma:literal, $avx512:literal) => {
+        $(#[$doc])*
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $name(
+            p: &GdnParams,
+            j: usize,
+            rows: &Rows<'_>,
+            z: &Tensor,
+            b: &Tensor,
+            a: &Tensor,
+            w: &Weights<'_>,
+            bufs: &mut [&mut [f32]],
+            y: &mut [f32],
+        ) {
+            head_scan_body::<$fma, $avx512>(p, j, rows, z, b, a, w, bufs, y)
+        }
+    };
 }
 
-/// `head_scan_body` compiled for AVX2 with fused multiply-adds.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn head_scan_fma(
-    p: &GdnParams,
-    j: usize,
-    rows: &Rows<'_>,
-    z: &Tensor,
-    b: &Tensor,
-    a: &Tensor,
-    w: &Weights<'_>,
-    bufs: &mut [&mut [f32]],
-    y: &mut [f32],
-) {
-    head_scan_body::<true, false>(p, j, rows, z, b, a, w, bufs, y)
-}
+head_scan_for!(
+    /// With AVX-512 F: the column blocks in AVX-512 registers.
+    head_scan_avx512,
+    "avx512f,avx2,fma",
+    true,
+    true
+);
+head_scan_for!(
+    /// AVX2 with fused multiply-adds.
+    head_scan_fma,
+    "avx2,fma",
+    true,
+    false
+);
 
 /// `a * b + c`, fused when the caller is compiled with FMA.
 #[inline(always)]
