@@ -157,7 +157,12 @@ fn bench_tern_backends(b: &Backends, f: &Path, o: &Options) -> Result<Vec<Value>
 /// round's rates beside them.
 fn median_rounds(rounds: Vec<Value>) -> Value {
     let mut out = rounds[0].clone();
-    for key in ["prefill_tps", "decode_tps", "decode_weight_gbps"] {
+    for key in [
+        "prefill_tps",
+        "decode_tps",
+        "decode_weight_gbps",
+        "over_one_stream",
+    ] {
         let v: Vec<f64> = rounds.iter().filter_map(|r| r[key].as_f64()).collect();
         if v.len() == rounds.len() {
             out[key] = json!(median(v.clone()));
@@ -413,6 +418,21 @@ pub fn run(root: &Path, o: &Options) -> Result<()> {
          -x3 is 3 streams' aggregate: llama-bench has neither, so their ratios are to its plain \
          one-stream decode"
     );
+    for r in &rows {
+        let x3 = r["tern"].as_array().unwrap().iter().find_map(|v| {
+            Some((
+                v["over_one_stream"].as_f64()?,
+                v.get("over_one_stream_rounds").cloned(),
+            ))
+        });
+        if let Some((ratio, rounds)) = x3 {
+            println!(
+                "{:<28} 3 streams / 1 stream, turn by turn: median {ratio:.3}{}",
+                r["file"].as_str().unwrap(),
+                rounds.map_or(String::new(), |v| format!(" (rounds' medians {v})"))
+            );
+        }
+    }
     let dir = root.join("target/bench");
     std::fs::create_dir_all(&dir)?;
     let report = json!({

@@ -78,10 +78,27 @@ fn run(
     prompt_tokens: usize,
     decode: usize,
 ) -> Result<(f64, f64, RoundCostSummary)> {
+    run_prompt(e, parallel, prompt(prompt_tokens), decode)
+}
+
+/// `run` of a given prompt. The decode rate is taken over the window in which every stream
+/// decodes (from the last stream's first token to the first stream's last), tokens arrived in
+/// it over its length, from each token's arrival: streams that start decoding apart (the engine
+/// took one request a step before the others) then count only steps of all of them, where
+/// their own `predicted_ms` took in the others' prefill. For one stream this is its tokens
+/// after the first over the time since it, one forward pass a token as llama-bench's `tg`.
+fn run_prompt(
+    e: &Engine,
+    parallel: usize,
+    tokens: Vec<u32>,
+    decode: usize,
+) -> Result<(f64, f64, RoundCostSummary)> {
+    use std::time::Instant;
+    use tern::runtime::engine::Event;
     let hs: Vec<_> = (0..parallel)
         .map(|_| {
             e.submit(Request {
-                prompt: prompt(prompt_tokens),
+                prompt: tokens.clone(),
                 max_tokens: decode,
                 sampler: SamplerConfig::greedy(),
                 ignore_eos: true,
@@ -89,18 +106,52 @@ fn run(
             })
         })
         .collect();
-    let (mut n, mut decode_s, mut prompt_tps) = (0usize, 0f64, 0f64);
-    for h in hs {
-        let (_, _, f) = h.collect().map_err(|e| anyhow!("{e}"))?;
-        n += f.completion_tokens;
-        decode_s = decode_s.max(f.timings.predicted_ms / 1e3);
-        prompt_tps +=
-            f.timings.prompt_n as f64 / (f.timings.prompt_ms / 1e3).max(1e-9) / parallel as f64;
-    }
+    // Each stream's token arrival times and its end, received on a thread of its own.
+    let streams: Vec<(Vec<Instant>, tern::runtime::engine::Finish)> = std::thread::scope(|sc| {
+        let js: Vec<_> = hs
+            .into_iter()
+            .map(|h| {
+                sc.spawn(move || -> Result<_> {
+                    let mut at = Vec::new();
+                    for ev in h.events.iter() {
+                        match ev {
+                            Event::Token { .. } => at.push(Instant::now()),
+                            Event::Done(f) => return Ok((at, f)),
+                            Event::Error(e) => return Err(anyhow!("{e}")),
+                            _ => {}
+                        }
+                    }
+                    Err(anyhow!("the engine stopped"))
+                })
+            })
+            .collect();
+        js.into_iter()
+            .map(|j| {
+                j.join()
+                    .map_err(|_| anyhow!("a stream's reader panicked"))?
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
+    let t0 = streams.iter().filter_map(|s| s.0.first()).max();
+    let t1 = streams.iter().filter_map(|s| s.0.last()).min();
+    let (Some(&t0), Some(&t1)) = (t0, t1) else {
+        return Err(anyhow!("a stream decoded no token"));
+    };
+    let n = streams
+        .iter()
+        .flat_map(|s| &s.0)
+        .filter(|&&t| t > t0 && t <= t1)
+        .count();
+    let window = t1.saturating_duration_since(t0).as_secs_f64();
+    let prompt_tps = streams
+        .iter()
+        .map(|(_, f)| f.timings.prompt_n as f64 / (f.timings.prompt_ms / 1e3).max(1e-9))
+        .sum::<f64>()
+        / parallel as f64;
     // The worker publishes its counters right after the step that finished.
     std::thread::sleep(std::time::Duration::from_millis(100));
     Ok((
-        n as f64 / decode_s.max(1e-9),
+        n as f64 / window.max(1e-9),
         prompt_tps,
         e.metrics().round_costs,
     ))
@@ -200,28 +251,70 @@ pub fn round_costs(file: &Path, backend: &str, decode: usize, rounds: usize) -> 
 /// depth up to 3, the reduced draft head), and three streams without drafting (aggregate t/s;
 /// prompt t/s per stream). llama-bench has neither MTP drafting nor concurrent streams: these
 /// rows' ratios are to its plain one-stream decode.
+///
+/// The three engines take `TURNS` turns of one run each; the medians are the figures. Each
+/// turn's prompt differs from the last in its first token, so no slot reuses it: three streams
+/// reusing a repeated prompt unevenly started decoding apart, and the first one's decode time
+/// took in the others' prefill (3 streams at 46-52 t/s against 80 when they prefilled
+/// together). Three streams over one is a ratio of two of tern's own runs, so it is taken
+/// within each turn (runs seconds apart) and its median kept: the bench machine's memory bus
+/// drifts between minutes, and one run of each put it at 2.57 one day and 2.15 the next.
 pub fn llama_table_rows(file: &Path, prompt_tokens: usize, decode: usize) -> Result<Vec<Value>> {
+    const TURNS: usize = 3;
     let g = Arc::new(tern::gguf::Gguf::open(file)?);
     let has_mtp = tern::model::Config::from_gguf(&g)?.has_mtp();
-    let mut out = Vec::new();
-    for (label, streams, spec) in [
+    let kinds: Vec<(&str, usize, Option<SpecConfig>)> = [
         ("eng", 1, None),
         ("eng-mtp", 1, Some(SpecConfig::default())),
         ("eng-x3", 3, None),
-    ] {
-        if spec.is_some() && !has_mtp {
-            continue;
-        }
-        eprintln!("tern {label} on {} ...", file.display());
-        let drafting = spec.is_some();
-        let e = start_on("cpu", &g, streams, prompt_tokens + decode + 16, spec)?;
-        let (tps, ptps, _) = run(&e, streams, prompt_tokens, decode)?;
-        out.push(
-            json!({"engine": "tern", "backend": label, "streams": streams,
-            "drafting": drafting, "prefill_tps": ptps, "decode_tps": tps}),
+    ]
+    .into_iter()
+    .filter(|k| k.2.is_none() || has_mtp)
+    .collect();
+    let engines = kinds
+        .iter()
+        .map(|(_, n, spec)| start_on("cpu", &g, *n, prompt_tokens + decode + 16, spec.clone()))
+        .collect::<Result<Vec<_>>>()?;
+    let mut prefill = vec![Vec::new(); kinds.len()];
+    let mut decode_tps = vec![Vec::new(); kinds.len()];
+    for turn in 0..TURNS {
+        eprintln!(
+            "tern {} on {}, turn {}/{TURNS} ...",
+            kinds.iter().map(|k| k.0).collect::<Vec<_>>().join(", "),
+            file.display(),
+            turn + 1,
         );
+        let mut tokens = prompt(prompt_tokens);
+        tokens[0] += turn as u32;
+        for (k, e) in engines.iter().enumerate() {
+            let (tps, ptps, _) = run_prompt(e, kinds[k].1, tokens.clone(), decode)?;
+            prefill[k].push(ptps);
+            decode_tps[k].push(tps);
+        }
     }
-    Ok(out)
+    let x3_over_one: Vec<f64> = match kinds.iter().position(|k| k.1 == 3) {
+        Some(x3) => decode_tps[x3]
+            .iter()
+            .zip(&decode_tps[0])
+            .map(|(m, o)| m / o)
+            .collect(),
+        None => Vec::new(),
+    };
+    Ok(kinds
+        .iter()
+        .zip(prefill)
+        .zip(decode_tps)
+        .map(|(((label, streams, spec), ptps), d)| {
+            let mut row = json!({"engine": "tern", "backend": label, "streams": streams,
+                "drafting": spec.is_some(), "prefill_tps": median(ptps.clone()),
+                "prefill_tps_turns": ptps, "decode_tps": median(d.clone()), "decode_tps_turns": d});
+            if *streams == 3 {
+                row["over_one_stream"] = json!(median(x3_over_one.clone()));
+                row["over_one_stream_turns"] = json!(x3_over_one);
+            }
+            row
+        })
+        .collect())
 }
 
 /// `bench --engine --phases`: where a decode step's time goes, from the engine's phase timers
