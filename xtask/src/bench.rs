@@ -903,13 +903,11 @@ pub fn engine(
                         .collect::<Result<_, tern::runtime::constraint::ConstraintError>>()
                         .map_err(|e| anyhow::anyhow!("{e}"))?;
                     let cpu0 = cpu_ns();
-                    let mut decode_s = 0f64;
+                    let (tps, finishes) = crate::bench_draft::collect_streams(hs)?;
                     let mut prompt_tps = 0f64;
                     let mut n = 0usize;
-                    for h in hs {
-                        let (_, _, f) = h.collect().map_err(|e| anyhow::anyhow!("{e}"))?;
+                    for f in &finishes {
                         n += f.completion_tokens;
-                        decode_s = decode_s.max(f.timings.predicted_ms / 1e3);
                         prompt_tps += f.timings.prompt_n as f64
                             / (f.timings.prompt_ms / 1e3).max(1e-9)
                             / parallel as f64;
@@ -924,7 +922,7 @@ pub fn engine(
                     let drafted = spec.drafted - before.drafted;
                     let a = &e.allocated;
                     Ok(Run {
-                        tps: n as f64 / decode_s.max(1e-9),
+                        tps,
                         cpu_ms,
                         mask_us: per_token_us(
                             m0.grammar_mask_seconds_total,

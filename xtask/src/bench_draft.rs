@@ -93,8 +93,6 @@ fn run_prompt(
     tokens: Vec<u32>,
     decode: usize,
 ) -> Result<(f64, f64, RoundCostSummary)> {
-    use std::time::Instant;
-    use tern::runtime::engine::Event;
     let hs: Vec<_> = (0..parallel)
         .map(|_| {
             e.submit(Request {
@@ -106,7 +104,25 @@ fn run_prompt(
             })
         })
         .collect();
-    // Each stream's token arrival times and its end, received on a thread of its own.
+    let (rate, finishes) = collect_streams(hs)?;
+    let prompt_tps = finishes
+        .iter()
+        .map(|f| f.timings.prompt_n as f64 / (f.timings.prompt_ms / 1e3).max(1e-9))
+        .sum::<f64>()
+        / parallel as f64;
+    // The worker publishes its counters right after the step that finished.
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    Ok((rate, prompt_tps, e.metrics().round_costs))
+}
+
+/// Waits for every stream of a run, each on a thread of its own that notes when its tokens
+/// arrive; returns the aggregate decode rate over the window in which every stream decodes
+/// (`run_prompt`) and each stream's end.
+pub(crate) fn collect_streams(
+    hs: Vec<tern::runtime::engine::RequestHandle>,
+) -> Result<(f64, Vec<tern::runtime::engine::Finish>)> {
+    use std::time::Instant;
+    use tern::runtime::engine::Event;
     let streams: Vec<(Vec<Instant>, tern::runtime::engine::Finish)> = std::thread::scope(|sc| {
         let js: Vec<_> = hs
             .into_iter()
@@ -143,17 +159,9 @@ fn run_prompt(
         .filter(|&&t| t > t0 && t <= t1)
         .count();
     let window = t1.saturating_duration_since(t0).as_secs_f64();
-    let prompt_tps = streams
-        .iter()
-        .map(|(_, f)| f.timings.prompt_n as f64 / (f.timings.prompt_ms / 1e3).max(1e-9))
-        .sum::<f64>()
-        / parallel as f64;
-    // The worker publishes its counters right after the step that finished.
-    std::thread::sleep(std::time::Duration::from_millis(100));
     Ok((
         n as f64 / window.max(1e-9),
-        prompt_tps,
-        e.metrics().round_costs,
+        streams.into_iter().map(|s| s.1).collect(),
     ))
 }
 
