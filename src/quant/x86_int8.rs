@@ -247,6 +247,28 @@ unsafe fn prefetch(p: *const u8) {
     _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_BYTES) as *const i8);
 }
 
+/// A multi-row pass (several weight rows against several token rows) asks twice from its
+/// cursor: into L1 `PREFETCH_NEAR` ahead and into L2 `PREFETCH_FAR` ahead. Such a pass spends
+/// more time per byte than a one-row pass, and one request 8 KiB ahead kept too few lines on
+/// their way: streaming 768 MiB of Q8_0 rows from memory on 2 threads with 4 weight rows
+/// against 3 token rows a pass (Zen 5, the variants alternated in one process, medians of 8,
+/// two runs), 1,024 columns went from 39.1 / 37.9 GB/s to 43.9 / 39.7, 3,584 columns from
+/// 33.5 / 33.2 to 39.3 / 38.6 and 2,048 from 36.8 to 45.7; 16 KiB ahead into L1 alone gave
+/// 40.0 / 37.7, 38.4 / 38.7 and 40.8. On bench-0.8b Q8_0 (`bench --step --rows 3`, the two
+/// builds alternated four times) the matmuls of a 3-stream step took 25.4 / 25.1 / 27.1 /
+/// 25.1 ms before and 23.0 / 22.3 / 22.2 / 22.1 with it, FFN down (3,584 columns) 3.35 / 3.29
+/// / 3.95 / 3.65 and 2.47 / 2.32 / 2.70 / 2.35: about what one token row's matmuls take. One-row
+/// passes keep `prefetch` (the probe showed no gain there), and so do PQ2_0's two-row passes,
+/// whose 3-stream matmuls are bound by arithmetic (10.6-11.5 ms either way).
+const PREFETCH_NEAR: usize = 4096;
+const PREFETCH_FAR: usize = 16384;
+
+#[inline(always)]
+unsafe fn prefetch_pass(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(PREFETCH_NEAR) as *const i8);
+    _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(PREFETCH_FAR) as *const i8);
+}
+
 // ---------------------------------------------------------------------------------------------
 // AVX-512 VNNI
 
@@ -313,7 +335,12 @@ unsafe fn q8_0_vnni_rows<const R: usize, const N: usize>(
         let mut dw = [_mm512_setzero_ps(); R];
         for j in 0..R {
             let blk = p[j].add(b * 34);
-            prefetch(p[0].add((b * R + 2 * j) * 34));
+            let ahead = p[0].add((b * R + 2 * j) * 34);
+            if R == 1 {
+                prefetch(ahead);
+            } else {
+                prefetch_pass(ahead);
+            }
             let w0 = _mm256_loadu_si256(blk.add(2) as *const __m256i);
             let w1 = _mm256_loadu_si256(blk.add(36) as *const __m256i);
             w[j] = _mm512_xor_si512(
