@@ -903,15 +903,8 @@ pub fn engine(
                         .collect::<Result<_, tern::runtime::constraint::ConstraintError>>()
                         .map_err(|e| anyhow::anyhow!("{e}"))?;
                     let cpu0 = cpu_ns();
-                    let (tps, finishes) = crate::bench_draft::collect_streams(hs)?;
-                    let mut prompt_tps = 0f64;
-                    let mut n = 0usize;
-                    for f in &finishes {
-                        n += f.completion_tokens;
-                        prompt_tps += f.timings.prompt_n as f64
-                            / (f.timings.prompt_ms / 1e3).max(1e-9)
-                            / parallel as f64;
-                    }
+                    let (tps, prompt_tps, finishes) = crate::bench_draft::collect_streams(hs)?;
+                    let n: usize = finishes.iter().map(|f| f.completion_tokens).sum();
                     let cpu_ms = cpu_ns().saturating_sub(cpu0) as f64 / 1e6 / n.max(1) as f64;
                     // The worker publishes its counters right after the step that finished.
                     std::thread::sleep(std::time::Duration::from_millis(100));

@@ -104,12 +104,7 @@ fn run_prompt(
             })
         })
         .collect();
-    let (rate, finishes) = collect_streams(hs)?;
-    let prompt_tps = finishes
-        .iter()
-        .map(|f| f.timings.prompt_n as f64 / (f.timings.prompt_ms / 1e3).max(1e-9))
-        .sum::<f64>()
-        / parallel as f64;
+    let (rate, prompt_tps, _) = collect_streams(hs)?;
     // The worker publishes its counters right after the step that finished.
     std::thread::sleep(std::time::Duration::from_millis(100));
     Ok((rate, prompt_tps, e.metrics().round_costs))
@@ -117,10 +112,10 @@ fn run_prompt(
 
 /// Waits for every stream of a run, each on a thread of its own that notes when its tokens
 /// arrive; returns the aggregate decode rate over the window in which every stream decodes
-/// (`run_prompt`) and each stream's end.
+/// (`run_prompt`), the streams' mean prompt t/s and each stream's end.
 pub(crate) fn collect_streams(
     hs: Vec<tern::runtime::engine::RequestHandle>,
-) -> Result<(f64, Vec<tern::runtime::engine::Finish>)> {
+) -> Result<(f64, f64, Vec<tern::runtime::engine::Finish>)> {
     use std::time::Instant;
     use tern::runtime::engine::Event;
     let streams: Vec<(Vec<Instant>, tern::runtime::engine::Finish)> = std::thread::scope(|sc| {
@@ -159,8 +154,14 @@ pub(crate) fn collect_streams(
         .filter(|&&t| t > t0 && t <= t1)
         .count();
     let window = t1.saturating_duration_since(t0).as_secs_f64();
+    let prompt_tps = streams
+        .iter()
+        .map(|(_, f)| f.timings.prompt_n as f64 / (f.timings.prompt_ms / 1e3).max(1e-9))
+        .sum::<f64>()
+        / streams.len() as f64;
     Ok((
         n as f64 / window.max(1e-9),
+        prompt_tps,
         streams.into_iter().map(|s| s.1).collect(),
     ))
 }
@@ -300,14 +301,12 @@ pub fn llama_table_rows(file: &Path, prompt_tokens: usize, decode: usize) -> Res
             decode_tps[k].push(tps);
         }
     }
-    let x3_over_one: Vec<f64> = match kinds.iter().position(|k| k.1 == 3) {
-        Some(x3) => decode_tps[x3]
-            .iter()
-            .zip(&decode_tps[0])
-            .map(|(m, o)| m / o)
-            .collect(),
-        None => Vec::new(),
-    };
+    // The filter above drops only the drafting kind: "eng" is first, "eng-x3" last.
+    let x3_over_one: Vec<f64> = decode_tps[kinds.len() - 1]
+        .iter()
+        .zip(&decode_tps[0])
+        .map(|(m, o)| m / o)
+        .collect();
     Ok(kinds
         .iter()
         .zip(prefill)
