@@ -9,8 +9,8 @@ use tern::backend::Backend;
 use tern::model::Model;
 use tern::runtime::sampler::{Sampler, SamplerConfig};
 use tern::runtime::speculative::{
-    break_even, expected_tokens, AdaptiveDepth, Generator, RoundCosts, SpecConfig, PROBE_EVERY,
-    PROBE_FIRST,
+    break_even, expected_tokens, AdaptiveDepth, Company, Generator, RoundCosts, SpecConfig,
+    PROBE_EVERY, PROBE_FIRST,
 };
 
 fn model<B: Backend>(be: &B, name: &str) -> Model<B> {
@@ -323,9 +323,10 @@ fn the_depth_policy_follows_acceptance_and_costs() {
     c.observe_forward(4, 1.2);
     c.observe_draft_step(0.1);
 
+    let alone = Company::default();
     let mut p = AdaptiveDepth::default();
     assert_eq!(
-        p.best(3, &RoundCosts::default(), 0),
+        p.best(3, &RoundCosts::default(), alone),
         3,
         "nothing measured: draft fully"
     );
@@ -334,18 +335,19 @@ fn the_depth_policy_follows_acceptance_and_costs() {
     }
     assert!(p.acceptance() > 0.9);
     // a ~ 1: depth 3 yields ~4 tokens for 0.3 + 1.2, depth 2 ~3 for 0.2 + 1.0.
-    assert_eq!(p.best(3, &c, 0), 3);
+    assert_eq!(p.best(3, &c, alone), 3);
     // Beside two other slots' rows the verify rows are priced at forward(3 + d).
-    assert_eq!(p.best(1, &c, 2), 1);
+    let two = Company { rows: 2, slots: 2 };
+    assert_eq!(p.best(1, &c, two), 1);
     let mut z = AdaptiveDepth::default();
     for _ in 0..30 {
         z.observe(2, 0);
     }
     assert!(z.acceptance() < 0.05);
-    assert_eq!(z.best(3, &c, 0), 0);
+    assert_eq!(z.best(3, &c, alone), 0);
     // Plain rounds with one-token probes between, the gaps doubling from PROBE_FIRST to
     // PROBE_EVERY.
-    let picks: Vec<usize> = (0..60).map(|_| z.pick(3, &c, 0)).collect();
+    let picks: Vec<usize> = (0..60).map(|_| z.pick(3, &c, alone)).collect();
     let probes: Vec<usize> = (0..60).filter(|&i| picks[i] == 1).collect();
     assert!(picks.iter().all(|&d| d <= 1));
     let gaps: Vec<usize> = std::iter::once(probes[0])
@@ -355,6 +357,41 @@ fn the_depth_policy_follows_acceptance_and_costs() {
     assert_eq!(gaps[1], 2 * PROBE_FIRST as usize, "{picks:?}");
     assert!(gaps.iter().all(|&g| g <= PROBE_EVERY as usize), "{picks:?}");
     assert_eq!(*gaps.last().unwrap(), PROBE_EVERY as usize, "{picks:?}");
+}
+
+/// A round is priced for the whole step it shares: its extra rows and draft steps delay every
+/// other slot's token too. On costs measured on bench-0.8b Q8_0 (3 rows 33 ms, 6 rows 44 ms, a
+/// draft step 1.5 ms), a slot at a = 0.5 drafts alone but not beside two others, and beside
+/// them drafts once its acceptance is high enough to pay for all three slots' wait.
+#[test]
+fn a_slot_prices_its_round_for_the_whole_step() {
+    let mut c = RoundCosts::default();
+    c.observe_draft_step(0.0015);
+    for (rows, s) in [
+        (1, 0.0255),
+        (2, 0.0262),
+        (3, 0.033),
+        (4, 0.0365),
+        (6, 0.044),
+    ] {
+        c.observe_forward(rows, s);
+    }
+    let mut p = AdaptiveDepth::default();
+    assert!((p.acceptance() - 0.5).abs() < 1e-9);
+    assert_eq!(p.best(1, &c, Company::default()), 1);
+    let two = Company { rows: 2, slots: 2 };
+    assert_eq!(p.best(1, &c, two), 0);
+    // Depth 1 beside two plain slots: (2 + 1 + a) / (0.0015 + 0.0365) > 1.02 * 3 / 0.033 from
+    // a ~ 0.53 on.
+    for _ in 0..40 {
+        p.observe(1, 1);
+    }
+    assert!(p.acceptance() > 0.9);
+    assert_eq!(p.best(1, &c, two), 1);
+    // Priced as if alone (no other slot's token counted), the same slot drafts at a = 0.5
+    // beside them: what the shared step must not do.
+    let q = AdaptiveDepth::default();
+    assert_eq!(q.best(1, &c, Company { rows: 2, slots: 0 }), 1);
 }
 
 per_backend!(

@@ -20,7 +20,9 @@ use crate::tokenizer::Tokenizer;
 use super::budget::BudgetConfig;
 use super::constraint::{Constraint, Masks};
 use super::sampler::{ProbsRequest, Sampler, SamplerConfig, TokenProbs};
-use super::speculative::{RoundCostSummary, RoundCosts, SlotDecoder, SpecConfig, SpecStats};
+use super::speculative::{
+    Company, RoundCostSummary, RoundCosts, SlotDecoder, SpecConfig, SpecStats,
+};
 
 #[derive(Clone, Debug, thiserror::Error, PartialEq)]
 pub enum EngineError {
@@ -1365,13 +1367,15 @@ impl<B: Backend> Worker<B> {
         }
         let spec = self.cfg.spec.clone();
         let n_ctx_slot = self.cfg.n_ctx_slot();
-        // The rows decoding slots fed last step: a slot's depth is priced beside the others'.
-        let decode_rows: usize = self
+        // The rows decoding slots fed last step, and how many they are: a slot's depth is
+        // priced beside the others'.
+        let (decode_rows, decode_slots) = self
             .slots
             .iter()
             .filter(|s| matches!(s.task.as_ref().map(|t| &t.phase), Some(Phase::Decode)))
-            .map(|s| 1 + s.dec.depth.depth)
-            .sum();
+            .fold((0usize, 0usize), |(r, n), s| {
+                (r + 1 + s.dec.depth.depth, n + 1)
+            });
         // What each busy slot feeds this step.
         let mut plan: Vec<Feed> = Vec::new();
         for i in 0..self.slots.len() {
@@ -1430,7 +1434,10 @@ impl<B: Backend> Worker<B> {
                     let mut drafts = match &spec {
                         Some(sp) => {
                             let s = &mut self.slots[i];
-                            let others = decode_rows.saturating_sub(1 + s.dec.depth.depth);
+                            let others = Company {
+                                rows: decode_rows.saturating_sub(1 + s.dec.depth.depth),
+                                slots: decode_slots.saturating_sub(1),
+                            };
                             let depth = if sp.adaptive {
                                 s.dec.depth.pick(sp.n_max, &self.costs, others)
                             } else {

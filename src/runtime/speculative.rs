@@ -193,16 +193,28 @@ const MIN_GAIN: f64 = 1.02;
 pub const PROBE_FIRST: u32 = 2;
 pub const PROBE_EVERY: u32 = 16;
 
+/// The other decoding slots a slot's round shares its step with: the rows they fed last step
+/// and how many they are.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Company {
+    pub rows: usize,
+    pub slots: usize,
+}
+
 /// A slot's draft depth, chosen per round. Acceptance is modelled per position (a draft token
 /// accepted with probability `a` given the ones before it were, which is what makes a round's
 /// yield `1 + a + ... + a^d`) and estimated as accepted / (accepted + rejections), each round
 /// contributing its accepted tokens and one rejection when it stopped short, both decayed by
 /// [`ACCEPT_DECAY`]. (accepted / drafted would count the tokens after a rejection, which were
-/// never tested, as failures.) The depth maximizes `expected_tokens(a, d)` per unit of time,
-/// a round costing `d` draft steps plus a forward of the slot's `d + 1` rows beside the other
-/// slots' rows, from [`RoundCosts`] as the engine measured them; 0 is plain decoding, and now
-/// and then ([`PROBE_FIRST`], [`PROBE_EVERY`]) a plain slot drafts one token so a slot whose
-/// text became predictable recovers.
+/// never tested, as failures.) The depth maximizes the step's expected tokens per unit of time:
+/// a round costs `d` draft steps plus a forward of the slot's `d + 1` rows beside the other
+/// slots' rows, from [`RoundCosts`] as the engine measured them, and yields
+/// `expected_tokens(a, d)` plus a token for each other slot, whose step takes as long. (Priced
+/// alone, a slot beside two others drafted wherever its own yield paid for the extra rows, and
+/// made their tokens wait for them: bench-0.8b Q8_0, 3 streams with a random head, 63 t/s
+/// drafting against 95 plain.) 0 is plain decoding, and now and then ([`PROBE_FIRST`],
+/// [`PROBE_EVERY`]) a plain slot drafts one token so a slot whose text became predictable
+/// recovers.
 #[derive(Clone, Debug)]
 pub struct AdaptiveDepth {
     accepted: f64,
@@ -246,9 +258,9 @@ impl AdaptiveDepth {
         self.rejected = ACCEPT_DECAY * self.rejected + f64::from(u8::from(accepted < drafted));
     }
 
-    /// The depth (at most `n_max`) with the most expected tokens per second, for a round
-    /// beside `other_rows` rows of other slots in the same forward.
-    pub fn best(&self, n_max: usize, costs: &RoundCosts, other_rows: usize) -> usize {
+    /// The depth (at most `n_max`) with the most expected tokens per second in a step shared
+    /// with `others`.
+    pub fn best(&self, n_max: usize, costs: &RoundCosts, others: Company) -> usize {
         let (Some(draft), Some(_)) = (costs.draft_step(), costs.forward(1)) else {
             // Nothing measured yet: draft fully, which measures both.
             return n_max;
@@ -256,9 +268,9 @@ impl AdaptiveDepth {
         let a = self.acceptance();
         let rate = |d: usize| {
             let t = costs
-                .forward(other_rows + d + 1)
+                .forward(others.rows + d + 1)
                 .expect("a forward was measured");
-            expected_tokens(a, d) / (d as f64 * draft + t)
+            (others.slots as f64 + expected_tokens(a, d)) / (d as f64 * draft + t)
         };
         (1..=n_max).fold(0, |best, d| {
             if rate(d) > MIN_GAIN * rate(best) {
@@ -270,8 +282,8 @@ impl AdaptiveDepth {
     }
 
     /// Picks this round's depth (records it in `depth`).
-    pub fn pick(&mut self, n_max: usize, costs: &RoundCosts, other_rows: usize) -> usize {
-        let mut d = self.best(n_max, costs, other_rows);
+    pub fn pick(&mut self, n_max: usize, costs: &RoundCosts, others: Company) -> usize {
+        let mut d = self.best(n_max, costs, others);
         if d == 0 && n_max > 0 {
             self.plain_rounds += 1;
             if self.plain_rounds > self.probe_gap {
@@ -742,7 +754,9 @@ impl<'a, B: Backend> Generator<'a, B> {
                     .context_length
                     .saturating_sub(self.slot.seq.pos + 1);
                 let depth = if spec.adaptive {
-                    self.slot.depth.pick(spec.n_max, &self.costs, 0)
+                    self.slot
+                        .depth
+                        .pick(spec.n_max, &self.costs, Company::default())
                 } else {
                     spec.n_max
                 };
