@@ -6,7 +6,7 @@ mod common;
 use std::path::Path;
 
 use tern::backend::Backend;
-use tern::model::Model;
+use tern::model::{Model, MtpRows};
 use tern::runtime::sampler::{Sampler, SamplerConfig};
 use tern::runtime::speculative::{
     break_even, expected_tokens, AdaptiveDepth, Company, Generator, RoundCosts, SpecConfig,
@@ -394,8 +394,74 @@ fn a_slot_prices_its_round_for_the_whole_step() {
     assert_eq!(q.best(1, &c, Company { rows: 2, slots: 0 }), 1);
 }
 
+/// The engine fills its decoding slots' MTP caches in one pass of the block
+/// (`Model::mtp_fill_many`): each head ends where its own fill leaves it, whatever the other
+/// items' rows and positions (caches of different lengths, 1 to 3 rows, an item without rows
+/// skipped), read back through the next draft's logits.
+fn the_mtp_block_fills_several_heads_in_one_pass<B: Backend>(be: &B) {
+    let m = model(be, "tiny-q8_0.gguf");
+    let e = m.cfg.n_embd;
+    let rows = |n: usize, seed: usize| {
+        let h: Vec<f32> = (0..n * e)
+            .map(|i| (((i + seed) * 37 % 101) as f32 / 50.0) - 1.0)
+            .collect();
+        be.from_host(&h, n, e)
+    };
+    // Per head: the rows it already holds, then the rows of the shared fill.
+    let before: [&[u32]; 4] = [&[72, 101], &[108, 108, 111, 32, 119], &[], &[33]];
+    let fill: [&[u32]; 4] = [&[44, 45, 46], &[47], &[48, 49], &[]];
+    let fresh = || -> Vec<_> {
+        before
+            .iter()
+            .enumerate()
+            .map(|(k, toks)| {
+                let mut st = m.new_mtp_state(be).unwrap();
+                if !toks.is_empty() {
+                    m.mtp_fill(be, &mut st, toks, &rows(toks.len(), k)).unwrap();
+                }
+                st
+            })
+            .collect()
+    };
+    let hs: Vec<B::T> = fill
+        .iter()
+        .enumerate()
+        .map(|(k, t)| rows(t.len().max(1), 10 + k))
+        .collect();
+    let mut one = fresh();
+    for ((st, toks), h) in one.iter_mut().zip(fill).zip(&hs) {
+        if !toks.is_empty() {
+            m.mtp_fill(be, st, toks, h).unwrap();
+        }
+    }
+    let mut many = fresh();
+    let mut items: Vec<MtpRows<'_, B>> = many
+        .iter_mut()
+        .zip(fill)
+        .zip(&hs)
+        .map(|((st, tokens), h_prev)| MtpRows { st, tokens, h_prev })
+        .collect();
+    m.mtp_fill_many(be, &mut items).unwrap();
+    drop(items);
+    for (k, (a, b)) in one.iter_mut().zip(many.iter_mut()).enumerate() {
+        assert_eq!((a.pos, a.skip), (b.pos, b.skip), "head {k}");
+        let h = rows(1, 20 + k);
+        let la = be.to_host(&m.mtp_forward(be, a, &[50], &h).unwrap().logits);
+        let lb = be.to_host(&m.mtp_forward(be, b, &[50], &h).unwrap().logits);
+        // The same rows through the same weights; a device may tile a product of several rows
+        // otherwise than one of a single row.
+        let worst = la
+            .iter()
+            .zip(&lb)
+            .map(|(x, y)| (x - y).abs() / x.abs().max(1.0))
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-5, "head {k}: logits differ by {worst}");
+    }
+}
+
 per_backend!(
     drafting_does_not_change_greedy_output,
     oracle_drafts_are_accepted_and_wrong_ones_rolled_back,
-    a_reduced_draft_head_scores_the_low_ids
+    a_reduced_draft_head_scores_the_low_ids,
+    the_mtp_block_fills_several_heads_in_one_pass
 );

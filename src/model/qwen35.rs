@@ -588,7 +588,7 @@ impl<B: Backend> Model<B> {
         h_prev: &B::T,
     ) -> Result<B::T, ModelError> {
         let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
-        let c = self.mtp_block(be, st, tokens, h_prev)?;
+        let c = self.mtp_block(be, &mut [MtpRows { st, tokens, h_prev }])?;
         Ok(be.rms_norm(
             &c,
             mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),
@@ -605,30 +605,95 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         h_prev: &B::T,
     ) -> Result<(), ModelError> {
-        self.mtp_block(be, st, tokens, h_prev).map(|_| ())
+        self.mtp_block(be, &mut [MtpRows { st, tokens, h_prev }])
+            .map(|_| ())
     }
 
-    /// Embedding ‖ hidden → eh_proj → one attention block, appending to the MTP cache;
-    /// returns the block's output rows (before the head's norm).
-    fn mtp_block(
-        &self,
-        be: &B,
-        st: &mut MtpState<B>,
-        tokens: &[u32],
-        h_prev: &B::T,
-    ) -> Result<B::T, ModelError> {
+    /// [`Model::mtp_fill`] for several sequences in one pass of the block: each of its weights
+    /// is read once for all their rows, as a trunk step reads its own for every slot's rows.
+    /// Items without rows are skipped.
+    pub fn mtp_fill_many(&self, be: &B, items: &mut [MtpRows<'_, B>]) -> Result<(), ModelError> {
+        let mut items: Vec<MtpRows<'_, B>> = items
+            .iter_mut()
+            .filter(|it| !it.tokens.is_empty())
+            .map(|it| MtpRows {
+                st: &mut *it.st,
+                tokens: it.tokens,
+                h_prev: it.h_prev,
+            })
+            .collect();
+        if items.is_empty() {
+            return Ok(());
+        }
+        self.mtp_block(be, &mut items).map(|_| ())
+    }
+
+    /// Embedding ‖ hidden → eh_proj → one attention block over each item's rows, appending to
+    /// its MTP cache; returns the block's output rows (before the head's norm), item after item.
+    fn mtp_block(&self, be: &B, items: &mut [MtpRows<'_, B>]) -> Result<B::T, ModelError> {
         let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
-        self.check_tokens(tokens)?;
+        for it in items.iter() {
+            self.check_tokens(it.tokens)?;
+        }
         let eps = self.cfg.eps;
-        let emb = be.embed(mtp.embed.as_ref().unwrap_or(&self.w.token_embd), tokens);
-        let e = be.rms_norm(&emb, &mtp.enorm, eps);
-        let hh = be.rms_norm(h_prev, &mtp.hnorm, eps);
-        let batch = Batch::one(
-            tokens,
-            st.pos + st.skip,
-            &self.cfg.attn_params(),
-            RowScales::new(self.adapters.len(), [st.lora.as_slice()], [tokens.len()]),
+        let ap = self.cfg.attn_params();
+        let batch = match items {
+            [it] => Batch::one(
+                it.tokens,
+                it.st.pos + it.st.skip,
+                &ap,
+                RowScales::new(
+                    self.adapters.len(),
+                    [it.st.lora.as_slice()],
+                    [it.tokens.len()],
+                ),
+            ),
+            _ => {
+                let mut spans = Vec::with_capacity(items.len());
+                let mut rows = 0;
+                for it in items.iter() {
+                    spans.push((rows, it.tokens.len()));
+                    rows += it.tokens.len();
+                }
+                Batch {
+                    tokens: items
+                        .iter()
+                        .flat_map(|it| it.tokens.iter().copied())
+                        .collect(),
+                    rope: items
+                        .iter()
+                        .map(|it| {
+                            crate::backend::rope_table(
+                                it.st.pos + it.st.skip,
+                                it.tokens.len(),
+                                ap.n_rot,
+                                ap.rope_base,
+                                ap.rope_sections,
+                            )
+                        })
+                        .collect(),
+                    lora: RowScales::new(
+                        self.adapters.len(),
+                        items.iter().map(|it| it.st.lora.as_slice()),
+                        spans.iter().map(|s| s.1),
+                    ),
+                    spans,
+                    rows,
+                }
+            }
+        };
+        let emb = be.embed(
+            mtp.embed.as_ref().unwrap_or(&self.w.token_embd),
+            &batch.tokens,
         );
+        let e = be.rms_norm(&emb, &mtp.enorm, eps);
+        let hh = match items {
+            [it] => be.rms_norm(it.h_prev, &mtp.hnorm, eps),
+            _ => {
+                let parts: Vec<&B::T> = items.iter().map(|it| it.h_prev).collect();
+                be.rms_norm(&be.concat_rows(&parts), &mtp.hnorm, eps)
+            }
+        };
         let mut c = self.mm(
             be,
             Site::EhProj,
@@ -641,13 +706,27 @@ impl<B: Backend> Model<B> {
             unreachable!("the MTP block's layer is a full-attention layer")
         };
         let il = self.cfg.n_layer;
-        let rope = &batch.rope[0];
-        let a = self.attn_mixer(be, il, aw, &h, &batch, &mut [(&mut st.kv, st.pos, rope)]);
+        let mut caches: Vec<(&mut B::Kv, usize, &[f32])> = items
+            .iter_mut()
+            .zip(&batch.rope)
+            .map(|(it, rope)| (&mut it.st.kv, it.st.pos, rope.as_slice()))
+            .collect();
+        let a = self.attn_mixer(be, il, aw, &h, &batch, &mut caches);
         be.add_assign(&mut c, &a);
         self.ffn(be, il, &mtp.layer, &mut c, &batch.lora);
-        st.pos += tokens.len();
+        for it in items.iter_mut() {
+            it.st.pos += it.tokens.len();
+        }
         Ok(c)
     }
+}
+
+/// One sequence's rows for the MTP block: its head state, the tokens, and the trunk's hidden
+/// rows of the positions before them.
+pub struct MtpRows<'a, B: Backend> {
+    pub st: &'a mut MtpState<B>,
+    pub tokens: &'a [u32],
+    pub h_prev: &'a B::T,
 }
 
 /// The phase a matmul's time counts to.

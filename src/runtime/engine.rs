@@ -1571,6 +1571,8 @@ impl<B: Backend> Worker<B> {
             m.grammar_wait_seconds_total += step_s - forward_s;
         }
         let mut emitted: Vec<(usize, Vec<u32>)> = Vec::new();
+        // Decoding slots' kept rows and their trunk h, for the MTP block after the loop.
+        let mut fills: Vec<(usize, Vec<u32>, B::T)> = Vec::new();
         let mut prompt_only: Vec<usize> = Vec::new();
         for (f, out) in plan.iter().zip(outs) {
             let (i, toks, rows) = (f.slot, &f.tokens, &f.rows);
@@ -1710,12 +1712,22 @@ impl<B: Backend> Worker<B> {
                     } else {
                         out.h
                     };
-                    s.dec
-                        .mtp_process(&self.model, &self.be, kept, &h)
-                        .map_err(model_err)?;
+                    fills.push((i, kept.to_vec(), h));
                 }
                 emitted.push((i, v.produced));
             }
+        }
+        // The decoding slots' kept rows go through the MTP block together.
+        if !fills.is_empty() {
+            let mut slots = self.slots.iter_mut().enumerate();
+            let mut work = Vec::with_capacity(fills.len());
+            for (i, toks, h) in &fills {
+                let (_, s) = slots
+                    .find(|(j, _)| j == i)
+                    .expect("the plan feeds slots in order");
+                work.push((&mut s.dec, toks.as_slice(), h));
+            }
+            SlotDecoder::mtp_process_many(&self.model, &self.be, &mut work).map_err(model_err)?;
         }
         // A decode-only step's cost by its rows: forward, sampling and MTP fill.
         let decode_only = plan.iter().all(|f| !f.prefill);

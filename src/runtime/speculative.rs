@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use crate::backend::{Backend, KvTypes};
 use crate::model::phase::{self, Phase};
-use crate::model::{BatchItem, Model, ModelError, MtpState, Output, SeqState};
+use crate::model::{BatchItem, Model, ModelError, MtpRows, MtpState, Output, SeqState};
 
 use super::constraint::{Constraint, Masks};
 use super::sampler::{argmax, non_finite, probability, ProbsRequest, Sampler, TokenProbs};
@@ -523,19 +523,49 @@ impl<B: Backend> SlotDecoder<B> {
         tokens: &[u32],
         h: &B::T,
     ) -> Result<(), ModelError> {
-        let Some(m) = self.mtp.as_mut() else {
-            return Ok(());
-        };
+        Self::mtp_process_many(model, be, &mut [(self, tokens, h)])
+    }
+
+    /// [`SlotDecoder::mtp_process`] for several slots in one pass of the MTP block
+    /// ([`Model::mtp_fill_many`]): a step of three streams read the block's weights three
+    /// times, one slot after another. Slots without a head or rows are left as they are.
+    pub fn mtp_process_many(
+        model: &Model<B>,
+        be: &B,
+        work: &mut [(&mut SlotDecoder<B>, &[u32], &B::T)],
+    ) -> Result<(), ModelError> {
         let _t = phase::time(Phase::MtpFill);
-        // The trunk's h shifted down one row, all on the device.
-        let n = tokens.len();
-        let hp = if n == 1 {
-            be.rows(&m.pending_h, 0, 1)
-        } else {
-            be.concat_rows(&[&m.pending_h, &be.rows(h, 0, n - 1)])
-        };
-        model.mtp_fill(be, &mut m.state, tokens, &hp)?;
-        m.pending_h = be.rows(h, n - 1, 1);
+        // Each slot's trunk h shifted down one row, all on the device.
+        let shifted: Vec<Option<B::T>> = work
+            .iter()
+            .map(|(d, tokens, h)| {
+                let m = d.mtp.as_ref().filter(|_| !tokens.is_empty())?;
+                let n = tokens.len();
+                Some(if n == 1 {
+                    be.rows(&m.pending_h, 0, 1)
+                } else {
+                    be.concat_rows(&[&m.pending_h, &be.rows(h, 0, n - 1)])
+                })
+            })
+            .collect();
+        let mut items: Vec<MtpRows<'_, B>> = work
+            .iter_mut()
+            .zip(&shifted)
+            .filter_map(|((d, tokens, _), hp)| {
+                Some(MtpRows {
+                    st: &mut d.mtp.as_mut()?.state,
+                    tokens,
+                    h_prev: hp.as_ref()?,
+                })
+            })
+            .collect();
+        model.mtp_fill_many(be, &mut items)?;
+        drop(items);
+        for ((d, tokens, h), hp) in work.iter_mut().zip(&shifted) {
+            if let (Some(m), Some(_)) = (d.mtp.as_mut(), hp) {
+                m.pending_h = be.rows(h, tokens.len() - 1, 1);
+            }
+        }
         Ok(())
     }
 
