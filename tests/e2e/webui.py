@@ -119,6 +119,19 @@ def wait_idle(page, timeout=60):
     page.wait_for_selector("#send:not([hidden])", timeout=timeout * 1000)
 
 
+def throttle(cdp, bytes_per_s):
+    """Caps the page's download rate (None lifts the cap). The streaming checks count the
+    frames in which a reply grew; the bundled model can write 600 tokens in a few frames'
+    time, so without a cap how many frames a stream spans depends on the machine's speed at
+    that moment, not on the page. Capped, the ~150 KB of a 600-token stream take about 1.5 s
+    to arrive: the page must still render them as they come for the counts to hold."""
+    rate = -1 if bytes_per_s is None else bytes_per_s
+    cdp.send(
+        "Network.emulateNetworkConditions",
+        {"offline": False, "latency": 0, "downloadThroughput": rate, "uploadThroughput": -1},
+    )
+
+
 def growth(page):
     page.evaluate("window.__stopRecorder()")
     return page.evaluate("window.__growth")
@@ -162,6 +175,8 @@ def main():
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
         chat_bodies = chat_requests(page)
+        cdp = ctx.new_cdp_session(page)
+        cdp.send("Network.enable")
 
         # -- load ------------------------------------------------------------------------
         page.goto(base + "/")
@@ -207,11 +222,14 @@ def main():
         stored = page.evaluate("JSON.parse(localStorage.getItem('tern.settings'))")
         check(stored["temperature"] == "0", "settings are kept in localStorage")
         page.evaluate(RECORDER, ".reasoning-body")
+        throttle(cdp, 100_000)
         send(page, "Speak of the king.")
         wait_idle(page)
+        throttle(cdp, None)
         g = growth(page)
         lens = sorted({x["len"] for x in g if x["len"] > 0})
-        check(len(lens) >= 4, f"the reasoning streamed: {len(lens)} distinct lengths over the DOM changes")
+        span = (g[-1]["t"] - g[0]["t"]) / 1000 if g else 0
+        check(len(lens) >= 4, f"the reasoning streamed: {len(lens)} distinct lengths over the DOM changes in {span:.2f} s")
         check(any(x["open"] for x in g if x["len"] > 0), "the reasoning block is open while it streams")
         body = chat_bodies[-1]
         check(
@@ -240,11 +258,14 @@ def main():
         # -- a plain reply streams token by token ------------------------------------------
         set_settings(page, enable_thinking="false", max_tokens="600", custom='{"ignore_eos": true}')
         page.evaluate(RECORDER, ".content")
+        throttle(cdp, 100_000)
         send(page, "And of the queen?")
         wait_idle(page)
+        throttle(cdp, None)
         g = growth(page)
         lens = [x["len"] for x in g if x["len"] > 0]
-        check(len(set(lens)) >= 4 and lens == sorted(lens), f"the reply grew over {len(set(lens))} DOM updates")
+        span = (g[-1]["t"] - g[0]["t"]) / 1000 if g else 0
+        check(len(set(lens)) >= 4 and lens == sorted(lens), f"the reply grew over {len(set(lens))} DOM updates in {span:.2f} s")
         last = page.locator(".msg.assistant").last
         check(last.locator("details.reasoning").count() == 0, "no reasoning block with thinking off")
         check(len(last.locator(".content").text_content()) > 50, "the reply is rendered as Markdown content")
