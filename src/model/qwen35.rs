@@ -636,52 +636,13 @@ impl<B: Backend> Model<B> {
             self.check_tokens(it.tokens)?;
         }
         let eps = self.cfg.eps;
-        let ap = self.cfg.attn_params();
-        let batch = match items {
-            [it] => Batch::one(
-                it.tokens,
-                it.st.pos + it.st.skip,
-                &ap,
-                RowScales::new(
-                    self.adapters.len(),
-                    [it.st.lora.as_slice()],
-                    [it.tokens.len()],
-                ),
-            ),
-            _ => {
-                let mut spans = Vec::with_capacity(items.len());
-                let mut rows = 0;
-                for it in items.iter() {
-                    spans.push((rows, it.tokens.len()));
-                    rows += it.tokens.len();
-                }
-                Batch {
-                    tokens: items
-                        .iter()
-                        .flat_map(|it| it.tokens.iter().copied())
-                        .collect(),
-                    rope: items
-                        .iter()
-                        .map(|it| {
-                            crate::backend::rope_table(
-                                it.st.pos + it.st.skip,
-                                it.tokens.len(),
-                                ap.n_rot,
-                                ap.rope_base,
-                                ap.rope_sections,
-                            )
-                        })
-                        .collect(),
-                    lora: RowScales::new(
-                        self.adapters.len(),
-                        items.iter().map(|it| it.st.lora.as_slice()),
-                        spans.iter().map(|s| s.1),
-                    ),
-                    spans,
-                    rows,
-                }
-            }
-        };
+        let batch = Batch::texts(
+            items
+                .iter()
+                .map(|it| (it.tokens, it.st.pos + it.st.skip, it.st.lora.as_slice())),
+            &self.cfg.attn_params(),
+            self.adapters.len(),
+        );
         let emb = be.embed(
             mtp.embed.as_ref().unwrap_or(&self.w.token_embd),
             &batch.tokens,
@@ -754,21 +715,33 @@ struct Batch {
 }
 
 impl Batch {
-    /// One sequence's tokens at text positions `pos0..`.
-    fn one(tokens: &[u32], pos0: usize, ap: &crate::backend::AttnParams, lora: RowScales) -> Batch {
-        let rope = crate::backend::rope_table(
-            pos0,
-            tokens.len(),
-            ap.n_rot,
-            ap.rope_base,
-            ap.rope_sections,
-        );
+    /// Text items one after another, each `(tokens, first position, LoRA scales)`: its
+    /// tokens at text positions `first..`.
+    fn texts<'a>(
+        items: impl Iterator<Item = (&'a [u32], usize, &'a [f32])>,
+        ap: &crate::backend::AttnParams,
+        n_adapters: usize,
+    ) -> Batch {
+        let (mut tokens, mut spans, mut rope, mut scales) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (t, pos0, lora) in items {
+            spans.push((tokens.len(), t.len()));
+            rope.push(crate::backend::rope_table(
+                pos0,
+                t.len(),
+                ap.n_rot,
+                ap.rope_base,
+                ap.rope_sections,
+            ));
+            scales.push(lora);
+            tokens.extend_from_slice(t);
+        }
         Batch {
-            tokens: tokens.to_vec(),
-            spans: vec![(0, tokens.len())],
+            lora: RowScales::new(n_adapters, scales, spans.iter().map(|s| s.1)),
             rows: tokens.len(),
-            rope: vec![rope],
-            lora,
+            tokens,
+            spans,
+            rope,
         }
     }
 

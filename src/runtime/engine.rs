@@ -1572,7 +1572,7 @@ impl<B: Backend> Worker<B> {
         }
         let mut emitted: Vec<(usize, Vec<u32>)> = Vec::new();
         // Decoding slots' kept rows and their trunk h, for the MTP block after the loop.
-        let mut fills: Vec<(usize, Vec<u32>, B::T)> = Vec::new();
+        let mut fills: Vec<(usize, &[u32], B::T)> = Vec::new();
         let mut prompt_only: Vec<usize> = Vec::new();
         for (f, out) in plan.iter().zip(outs) {
             let (i, toks, rows) = (f.slot, &f.tokens, &f.rows);
@@ -1712,7 +1712,7 @@ impl<B: Backend> Worker<B> {
                     } else {
                         out.h
                     };
-                    fills.push((i, kept.to_vec(), h));
+                    fills.push((i, kept, h));
                 }
                 emitted.push((i, v.produced));
             }
@@ -1725,7 +1725,7 @@ impl<B: Backend> Worker<B> {
                 let (_, s) = slots
                     .find(|(j, _)| j == i)
                     .expect("the plan feeds slots in order");
-                work.push((&mut s.dec, toks.as_slice(), h));
+                work.push((&mut s.dec, *toks, h));
             }
             SlotDecoder::mtp_process_many(&self.model, &self.be, &mut work).map_err(model_err)?;
         }
