@@ -1894,6 +1894,13 @@ impl<B: Backend> Worker<B> {
             m.tokens_predicted_total += task.generated.len() as u64;
             m.tokens_predicted_seconds_total += predicted_ms / 1e3;
             m.spec.add(&stats);
+            // The slot shows idle before the request hears it ended: a client that reads
+            // /slots once its reply is in must not find the slot still processing (the step's
+            // own publish comes only after every slot of the step has been handled).
+            if let Some(s) = m.slots.get_mut(i) {
+                *s = (false, self.slots[i].tokens.len());
+            }
+            m.requests_processing = self.slots.iter().filter(|s| s.task.is_some()).count() as u64;
         }
         let _ = task.tx.send(Event::Done(Finish {
             choice: task.choice,
