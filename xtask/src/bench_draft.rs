@@ -327,9 +327,16 @@ pub fn llama_table_rows(file: &Path, prompt_tokens: usize, decode: usize) -> Res
 /// `bench --engine --phases`: where a decode step's time goes, from the engine's phase timers
 /// (`tern::model::phase`): a plain step of one stream, a step of three streams and a draft
 /// round of depth 2 (two MTP steps and a verify of three rows, fixed depth). The three engines
-/// take turns, `rounds` requests of `decode` tokens each; every figure is the median over the
-/// steps of its kind, `other` the median of what the phases leave of a step's wall time.
-pub fn phases(file: &Path, backend: &str, decode: usize, rounds: usize) -> Result<Value> {
+/// take turns, `rounds` requests of `decode` tokens after `prompt_tokens` of prompt each (the
+/// depth sets what the attention cores read); every figure is the median over the steps of its
+/// kind, `other` the median of what the phases leave of a step's wall time.
+pub fn phases(
+    file: &Path,
+    backend: &str,
+    prompt_tokens: usize,
+    decode: usize,
+    rounds: usize,
+) -> Result<Value> {
     use tern::model::phase::{self, Phase};
     let g = Arc::new(tern::gguf::Gguf::open(file)?);
     let has_mtp = tern::model::Config::from_gguf(&g)?.has_mtp();
@@ -343,14 +350,19 @@ pub fn phases(file: &Path, backend: &str, decode: usize, rounds: usize) -> Resul
     }
     let engines = kinds
         .iter()
-        .map(|&(_, n, ref spec, _)| start_on(backend, &g, n, 0, spec.clone()))
+        .map(|&(_, n, ref spec, _)| {
+            start_on(backend, &g, n, prompt_tokens + decode + 16, spec.clone())
+        })
         .collect::<Result<Vec<_>>>()?;
     phase::enable(true);
     let mut steps = vec![Vec::new(); kinds.len()];
     for r in 0..rounds.max(1) {
         eprintln!("phases {}/{}, {}", r + 1, rounds.max(1), load_average());
+        // Each round's prompt differs in its first token, so no slot starts from a reused one.
+        let mut tokens = prompt(prompt_tokens);
+        tokens[0] += r as u32;
         for (k, e) in engines.iter().enumerate() {
-            run(e, kinds[k].1, 64, decode)?;
+            run_prompt(e, kinds[k].1, tokens.clone(), decode)?;
             let want = kinds[k].3;
             steps[k].extend(
                 phase::take_steps()
@@ -415,7 +427,7 @@ pub fn phases(file: &Path, backend: &str, decode: usize, rounds: usize) -> Resul
             .join(" / ")
     );
     Ok(
-        json!({"file": file.display().to_string(), "backend": backend, "decode_tokens": decode,
+        json!({"file": file.display().to_string(), "backend": backend, "prompt_tokens": prompt_tokens, "decode_tokens": decode,
         "rounds": rounds, "kinds": kinds.iter().map(|k| k.0).collect::<Vec<_>>(),
         "steps": steps.iter().map(Vec::len).collect::<Vec<_>>(), "phases": table,
         "over_one_stream": total.iter().map(|t| t / total[0]).collect::<Vec<_>>(),

@@ -70,7 +70,8 @@ const USAGE: &str = "usage: cargo xtask <task>
                         image tokens/s of one encode on the CPU, tern vs llama.cpp (mtmd, the
                         Python binding) on the same projector and image (default: the fixtures'
                         tiny-vl model, its Q8_0 projector and the 512 px solid red PNG)
-  bench --engine [--wgpu] [--schema-only] [--draft-rounds|--phases] [--decode N] [--rounds N] [FILE]
+  bench --engine [--wgpu] [--schema-only] [--draft-rounds|--phases [--prompt P]] [--decode N]
+         [--rounds N] [FILE]
                         the serving engine: 1 and 3 streams, f16/q8_0 V, drafting off/on
                         (adaptive depth), f16 V under a JSON schema (--schema-only: only f16 V,
                         with and without); each row the median of N rounds (3), the schema's
@@ -80,7 +81,8 @@ const USAGE: &str = "usage: cargo xtask <task>
                         (--draft-rounds: only that table, to target/bench/draft_rounds.json)
                         (--phases: where a 1-stream step, a 3-stream step and a depth-2
                         round spend their time, by the engine's phase timers, medians over
-                        every step of N rounds, to target/bench/phases.json)
+                        every step of N rounds after a P-token prompt (64), to
+                        target/bench/phases.json)
   gpu-kit [--out DIR]   build, without a GPU, the kit that checks the cuda and wgpu backends on an
                         NVIDIA machine with no Rust toolchain (default target/gpu-kit; cuda/README.md)
   llama-flags [--arg-cpp FILE]
@@ -314,6 +316,7 @@ fn main() -> Result<()> {
                 };
                 let decode = count("--decode", 32)?;
                 let rounds = count("--rounds", 3)?;
+                let phase_prompt = count("--prompt", 64)?;
                 let file = rest
                     .iter()
                     .find(|a| !a.starts_with("--"))
@@ -333,7 +336,7 @@ fn main() -> Result<()> {
                 .find(|(flag, _)| rest.iter().any(|a| a.as_str() == *flag));
                 if let Some((flag, out)) = only {
                     let r = if flag == "--phases" {
-                        bench_draft::phases(&file, backend, decode, rounds)?
+                        bench_draft::phases(&file, backend, phase_prompt, decode, rounds)?
                     } else {
                         bench_draft::round_costs(&file, backend, decode, rounds)?
                     };
