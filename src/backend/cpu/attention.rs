@@ -29,6 +29,19 @@ pub(super) enum Rows<'a> {
 }
 
 impl Rows<'_> {
+    /// An f16 cache's bytes from head `g` of row `j0` on, and the row stride in bytes: what
+    /// `gemm::dots_f16` and `gemm::outer_f16` read without a decoded copy.
+    fn f16_from(&self, g: usize, hd: usize, j0: usize) -> Option<(&[u8], usize)> {
+        match *self {
+            Rows::Blocks {
+                ty: GgmlType::F16,
+                data,
+                row_bytes,
+            } => Some((&data[j0 * row_bytes + g * hd * 2..], row_bytes)),
+            _ => None,
+        }
+    }
+
     /// Head `g`'s `hd` values of rows `j0..j0 + n` (of `width`) as f32, with their row stride.
     /// f32 rows are borrowed in place; stored blocks are decoded into `buf` (and `row` when the
     /// head does not start on a block boundary).
@@ -250,6 +263,12 @@ pub(super) fn attend(
                     st.resize(n_ctx * m_rows, 0.0);
                     for j0 in (0..n_ctx).step_by(JC) {
                         let n = JC.min(n_ctx - j0);
+                        let out = &mut st[j0 * m_rows..];
+                        if kc.f16_from(g, hd, j0).is_some_and(|(kh, ld)| {
+                            gemm::dots_f16(kh, ld, n, qb, hd, m_rows, hd, out, m_rows)
+                        }) {
+                            continue;
+                        }
                         let (keys, ld) = kc.head(g, hd, width, j0, n, buf, row);
                         gemm::dots(
                             keys,
@@ -268,6 +287,12 @@ pub(super) fn attend(
                     o.resize(m_rows * hd, 0.0);
                     for j0 in (0..n_ctx).step_by(JC) {
                         let n = JC.min(n_ctx - j0);
+                        let p = &st[j0 * m_rows..];
+                        if vc.f16_from(g, hd, j0).is_some_and(|(vh, ld)| {
+                            gemm::outer_f16(p, m_rows, m_rows, vh, ld, hd, n, o, hd, j0 > 0)
+                        }) {
+                            continue;
+                        }
                         let (values, ld) = vc.head(g, hd, width, j0, n, buf, row);
                         gemm::outer(
                             &st[j0 * m_rows..],
@@ -462,6 +487,71 @@ mod tests {
                 let got: Vec<u32> = got[r * hd..][..hd].iter().map(|v| v.to_bits()).collect();
                 let want: Vec<u32> = want.iter().map(|v| v.to_bits()).collect();
                 assert_eq!(got, want, "head {g} row {r}");
+            }
+        }
+    }
+
+    /// An f16 cache read in the kernels' loads (`gemm::dots_f16`, `gemm::outer_f16`) gives the
+    /// bits attention over the cache's f32 image gives: one query and a verify's three, a
+    /// block of `TB` + 1, at a chunk boundary + 1 and past two chunks; heads of 256 (both
+    /// kernels), 88 (`outer` on a decoded chunk) and 90 (the dot's scalar tail).
+    #[test]
+    fn f16_cache_attention_is_its_f32_images_bits() {
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        for hd in [256, 88, 90] {
+            let (n_head, n_head_kv) = (8, 2);
+            let p = AttnParams {
+                n_head,
+                n_head_kv,
+                head_dim: hd,
+                n_rot: hd,
+                rope_base: 1e4,
+                rope_sections: [0; 4],
+                eps: 1e-6,
+                scale: 1.0 / (hd as f32).sqrt(),
+            };
+            let width = n_head_kv * hd;
+            for (pos0, n_tok) in [(0, 1), (5, 3), (JC, 1), (JC - 2, TB + 1), (2 * JC + 1, 3)] {
+                let n_ctx = pos0 + n_tok;
+                let q: Vec<f32> = (0..n_tok * n_head * hd).map(|_| rnd()).collect();
+                let gate: Vec<f32> = (0..n_tok * n_head * hd).map(|_| rnd()).collect();
+                let half = |n: usize, rnd: &mut dyn FnMut() -> f32| -> (Vec<u8>, Vec<f32>) {
+                    let h: Vec<half::f16> =
+                        (0..n).map(|_| half::f16::from_f32(4.0 * rnd())).collect();
+                    let f = h.iter().map(|v| v.to_f32()).collect();
+                    (h.iter().flat_map(|v| v.to_le_bytes()).collect(), f)
+                };
+                let (kh, kf) = half(n_ctx * width, &mut rnd);
+                let (vh, vf) = half(n_ctx * width, &mut rnd);
+                let blocks = |data| Rows::Blocks {
+                    ty: GgmlType::F16,
+                    data,
+                    row_bytes: width * 2,
+                };
+                let got = attend(&p, &q, &gate, blocks(&kh), blocks(&vh), width, pos0, n_tok);
+                let want = attend(
+                    &p,
+                    &q,
+                    &gate,
+                    Rows::F32(&kf),
+                    Rows::F32(&vf),
+                    width,
+                    pos0,
+                    n_tok,
+                );
+                let bits = |t: &Tensor| t.data.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert!(want.data.iter().all(|v| v.is_finite()));
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "hd {hd}, pos0 {pos0}, {n_tok} tokens"
+                );
             }
         }
     }

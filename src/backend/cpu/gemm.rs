@@ -251,7 +251,7 @@ pub(super) fn outer(
                     macro_rules! call {
                         ($($m:literal),*) => {
                             match OM.min(n_m - m0) {
-                                $($m => x86::outer::<$m, OV>(ap, lda, bp, ldb, n_j, op, ldo, acc),)*
+                                $($m => x86::outer::<$m, OV>(ap, lda, bp, ldb, n_j, op, ldo, acc, 0),)*
                                 _ => unreachable!(),
                             }
                         };
@@ -276,114 +276,297 @@ pub(super) fn outer(
     }
 }
 
+/// `dots` with `x` the rows of an f16 cache: row `i`'s `k` values at byte `i * ldx` of `xh`,
+/// converted in the kernel's loads, the same products in the same order as `dots` on their
+/// f32 image (so the same bits), each row asked for `x86::AHEAD_ROWS` rows before it is read.
+/// False (nothing written) where the CPU has no AVX2, FMA or F16C, or the rows are not
+/// 2-byte strided.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn dots_f16(
+    xh: &[u8],
+    ldx: usize,
+    n_x: usize,
+    w: &[f32],
+    ldw: usize,
+    n_w: usize,
+    k: usize,
+    out: &mut [f32],
+    ldo: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd() && is_x86_feature_detected!("f16c") && ldx.is_multiple_of(2) {
+        if n_x == 0 || n_w == 0 {
+            return true;
+        }
+        assert!(xh.len() >= (n_x - 1) * ldx + 2 * k && w.len() >= (n_w - 1) * ldw + k);
+        assert!(out.len() >= (n_x - 1) * ldo + n_w);
+        let (x, ldx) = (xh.as_ptr() as *const u16, ldx / 2);
+        for i0 in (0..n_x).step_by(MT) {
+            let m = MT.min(n_x - i0);
+            // SAFETY: the asserts above bound every read and write; a prefetch never faults.
+            unsafe {
+                for t in i0..i0 + m {
+                    x86::ask_ahead(
+                        x.wrapping_add((t + x86::AHEAD_ROWS) * ldx) as *const u8,
+                        2 * k,
+                    );
+                }
+                for r0 in (0..n_w).step_by(NR) {
+                    let n = NR.min(n_w - r0);
+                    let (xp, wp) = (x.add(i0 * ldx), w.as_ptr().add(r0 * ldw));
+                    let op = out.as_mut_ptr().add(i0 * ldo + r0);
+                    match m {
+                        4 => x86::dots_m_f16::<4>(n, xp, ldx, wp, ldw, k, op, ldo, false),
+                        3 => x86::dots_m_f16::<3>(n, xp, ldx, wp, ldw, k, op, ldo, false),
+                        2 => x86::dots_m_f16::<2>(n, xp, ldx, wp, ldw, k, op, ldo, false),
+                        _ => x86::dots_m_f16::<1>(n, xp, ldx, wp, ldw, k, op, ldo, false),
+                    }
+                }
+            }
+        }
+        return true;
+    }
+    let _ = (xh, ldx, n_x, w, ldw, n_w, k, out, ldo);
+    false
+}
+
+/// `outer` with `b` the rows of an f16 cache (row `j` at byte `j * ldb` of `bh`), converted in
+/// the kernel's loads: the same bits as `outer` on their f32 image. The first column pass asks
+/// for each row `x86::AHEAD_ROWS` rows ahead. False (nothing written) where `outer` would not
+/// take its AVX2 kernel, the CPU has no F16C or the rows are not 2-byte strided.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn outer_f16(
+    a: &[f32],
+    lda: usize,
+    n_m: usize,
+    bh: &[u8],
+    ldb: usize,
+    n_c: usize,
+    n_j: usize,
+    out: &mut [f32],
+    ldo: usize,
+    acc: bool,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if simd()
+        && is_x86_feature_detected!("f16c")
+        && n_c.is_multiple_of(8 * OV)
+        && ldb.is_multiple_of(2)
+    {
+        if n_m == 0 || n_c == 0 {
+            return true;
+        }
+        assert!(
+            n_j == 0 || (a.len() >= (n_j - 1) * lda + n_m && bh.len() >= (n_j - 1) * ldb + 2 * n_c)
+        );
+        assert!(out.len() >= (n_m - 1) * ldo + n_c);
+        let (b, ldb) = (bh.as_ptr() as *const u16, ldb / 2);
+        for m0 in (0..n_m).step_by(OM) {
+            for c0 in (0..n_c).step_by(8 * OV) {
+                let ahead = if m0 == 0 && c0 == 0 { n_c } else { 0 };
+                // SAFETY: the asserts above bound every read and write.
+                unsafe {
+                    let (ap, bp) = (a.as_ptr().add(m0), b.add(c0));
+                    let op = out.as_mut_ptr().add(m0 * ldo + c0);
+                    macro_rules! call {
+                        ($($m:literal),*) => {
+                            match OM.min(n_m - m0) {
+                                $($m => x86::outer_f16::<$m, OV>(ap, lda, bp, ldb, n_j, op, ldo, acc, ahead),)*
+                                _ => unreachable!(),
+                            }
+                        };
+                    }
+                    call!(1, 2, 3, 4, 5, 6);
+                }
+            }
+        }
+        return true;
+    }
+    let _ = (a, lda, n_m, bh, ldb, n_c, n_j, out, ldo, acc);
+    false
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// `dots::<M, N>` for a run-time `N` (1 to 3).
+    /// One kernel body for two kinds of `x` (`dots`) or `b` (`outer`) rows: f32, or an f16
+    /// cache's rows converted in the loads. A conversion is exact, so the f16 kernels give the
+    /// bits the f32 ones give on the rows' f32 image. `$ld8` loads 8 values at an element
+    /// offset, `$ld1` one.
+    macro_rules! kernels {
+        ($feat:tt, $xt:ty, $ld8:ident, $ld1:ident, $dots_m:ident, $dots:ident, $outer:ident) => {
+            /// `dots::<M, N>` for a run-time `N` (1 to 3).
+            ///
+            /// # Safety
+            /// As for `dots`.
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) unsafe fn $dots_m<const M: usize>(
+                n: usize,
+                x: *const $xt,
+                ldx: usize,
+                w: *const f32,
+                ldw: usize,
+                k: usize,
+                out: *mut f32,
+                ldo: usize,
+                acc_out: bool,
+            ) {
+                match n {
+                    3 => $dots::<M, 3>(x, ldx, w, ldw, k, out, ldo, acc_out),
+                    2 => $dots::<M, 2>(x, ldx, w, ldw, k, out, ldo, acc_out),
+                    _ => $dots::<M, 1>(x, ldx, w, ldw, k, out, ldo, acc_out),
+                }
+            }
+
+            /// `out[i * ldo + r] (+)= x_i · w_r` for `i < M`, `r < N` over `k` columns.
+            ///
+            /// # Safety
+            /// The CPU has the features; `x` holds `M` rows `ldx` (elements) apart and `w` `N`
+            /// rows `ldw` apart, each of `k`; `out` is valid for the reads and writes.
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn $dots<const M: usize, const N: usize>(
+                x: *const $xt,
+                ldx: usize,
+                w: *const f32,
+                ldw: usize,
+                k: usize,
+                out: *mut f32,
+                ldo: usize,
+                acc_out: bool,
+            ) {
+                let mut acc = [[_mm256_setzero_ps(); N]; M];
+                let body = k / 8 * 8;
+                let mut i = 0;
+                while i < body {
+                    let wv: [__m256; N] =
+                        std::array::from_fn(|r| _mm256_loadu_ps(w.add(r * ldw + i)));
+                    for (t, acc) in acc.iter_mut().enumerate() {
+                        let xv = $ld8(x, t * ldx + i);
+                        for r in 0..N {
+                            acc[r] = _mm256_fmadd_ps(xv, wv[r], acc[r]);
+                        }
+                    }
+                    i += 8;
+                }
+                for (t, acc) in acc.iter().enumerate() {
+                    for (r, &a) in acc.iter().enumerate() {
+                        let mut s = hsum(a);
+                        for j in body..k {
+                            s += $ld1(x, t * ldx + j) * *w.add(r * ldw + j);
+                        }
+                        let o = out.add(t * ldo + r);
+                        *o = if acc_out { *o + s } else { s };
+                    }
+                }
+            }
+
+            /// `out[m * ldo + c] (+)= Σ_j a[j * lda + m] · b[j * ldb + c]` for `m < M`,
+            /// `c < 8V`. With `ahead` > 0 each step also asks for row `j + AHEAD_ROWS` of `b`,
+            /// `ahead` elements of it (the first of a chunk's column passes, which reads it
+            /// from memory).
+            ///
+            /// # Safety
+            /// The CPU has the features; the operands hold `n_j` rows at their strides
+            /// (elements); `out` is valid for the writes.
+            #[target_feature(enable = $feat)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) unsafe fn $outer<const M: usize, const V: usize>(
+                a: *const f32,
+                lda: usize,
+                b: *const $xt,
+                ldb: usize,
+                n_j: usize,
+                out: *mut f32,
+                ldo: usize,
+                acc_out: bool,
+                ahead: usize,
+            ) {
+                let mut acc = [[_mm256_setzero_ps(); V]; M];
+                for j in 0..n_j {
+                    if ahead > 0 {
+                        ask_ahead(
+                            b.wrapping_add((j + AHEAD_ROWS) * ldb) as *const u8,
+                            ahead * std::mem::size_of::<$xt>(),
+                        );
+                    }
+                    let bv: [__m256; V] = std::array::from_fn(|v| $ld8(b, j * ldb + 8 * v));
+                    for (m, acc) in acc.iter_mut().enumerate() {
+                        let p = _mm256_broadcast_ss(&*a.add(j * lda + m));
+                        for v in 0..V {
+                            acc[v] = _mm256_fmadd_ps(p, bv[v], acc[v]);
+                        }
+                    }
+                }
+                for (m, acc) in acc.iter().enumerate() {
+                    for (v, &x) in acc.iter().enumerate() {
+                        let o = out.add(m * ldo + 8 * v);
+                        let x = if acc_out {
+                            _mm256_add_ps(_mm256_loadu_ps(o), x)
+                        } else {
+                            x
+                        };
+                        _mm256_storeu_ps(o, x);
+                    }
+                }
+            }
+        };
+    }
+
+    kernels!("avx2,fma", f32, ld8_f32, ld1_f32, dots_m, dots, outer);
+    kernels!(
+        "avx2,fma,f16c",
+        u16,
+        ld8_f16,
+        ld1_f16,
+        dots_m_f16,
+        dots_f16,
+        outer_f16
+    );
+
+    /// How many rows ahead of the one read the f16 kernels ask for a cache row: a decode
+    /// step reads the cache from memory once, a head's slice of each row then a jump (the
+    /// distance `attention::f16_heads` measured).
+    pub(super) const AHEAD_ROWS: usize = 16;
+
+    /// Asks for `bytes` from `p` (a prefetch never faults: `p` may lie past the cache).
     ///
     /// # Safety
-    /// As for `dots`.
+    /// SSE; `_mm_prefetch` on any address is harmless.
     #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn dots_m<const M: usize>(
-        n: usize,
-        x: *const f32,
-        ldx: usize,
-        w: *const f32,
-        ldw: usize,
-        k: usize,
-        out: *mut f32,
-        ldo: usize,
-        acc_out: bool,
-    ) {
-        match n {
-            3 => dots::<M, 3>(x, ldx, w, ldw, k, out, ldo, acc_out),
-            2 => dots::<M, 2>(x, ldx, w, ldw, k, out, ldo, acc_out),
-            _ => dots::<M, 1>(x, ldx, w, ldw, k, out, ldo, acc_out),
+    #[inline]
+    pub(super) unsafe fn ask_ahead(p: *const u8, bytes: usize) {
+        for l in (0..bytes).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l) as *const i8);
         }
     }
 
-    /// `out[i * ldo + r] (+)= x_i · w_r` for `i < M`, `r < N` over `k` columns.
-    ///
-    /// # Safety
-    /// AVX2 and FMA are available; `x` holds `M` rows `ldx` apart and `w` `N` rows `ldw`
-    /// apart, each of `k`; `out` is valid for the reads and writes.
     #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn dots<const M: usize, const N: usize>(
-        x: *const f32,
-        ldx: usize,
-        w: *const f32,
-        ldw: usize,
-        k: usize,
-        out: *mut f32,
-        ldo: usize,
-        acc_out: bool,
-    ) {
-        let mut acc = [[_mm256_setzero_ps(); N]; M];
-        let body = k / 8 * 8;
-        let mut i = 0;
-        while i < body {
-            let wv: [__m256; N] = std::array::from_fn(|r| _mm256_loadu_ps(w.add(r * ldw + i)));
-            for (t, acc) in acc.iter_mut().enumerate() {
-                let xv = _mm256_loadu_ps(x.add(t * ldx + i));
-                for r in 0..N {
-                    acc[r] = _mm256_fmadd_ps(xv, wv[r], acc[r]);
-                }
-            }
-            i += 8;
-        }
-        for (t, acc) in acc.iter().enumerate() {
-            for (r, &a) in acc.iter().enumerate() {
-                let mut s = hsum(a);
-                for j in body..k {
-                    s += *x.add(t * ldx + j) * *w.add(r * ldw + j);
-                }
-                let o = out.add(t * ldo + r);
-                *o = if acc_out { *o + s } else { s };
-            }
-        }
+    #[inline]
+    unsafe fn ld8_f32(p: *const f32, i: usize) -> __m256 {
+        _mm256_loadu_ps(p.add(i))
     }
 
-    /// `out[m * ldo + c] (+)= Σ_j a[j * lda + m] · b[j * ldb + c]` for `m < M`, `c < 8V`.
-    ///
-    /// # Safety
-    /// AVX2 and FMA are available; the operands hold `n_j` rows at their strides; `out` is
-    /// valid for the writes.
     #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) unsafe fn outer<const M: usize, const V: usize>(
-        a: *const f32,
-        lda: usize,
-        b: *const f32,
-        ldb: usize,
-        n_j: usize,
-        out: *mut f32,
-        ldo: usize,
-        acc_out: bool,
-    ) {
-        let mut acc = [[_mm256_setzero_ps(); V]; M];
-        for j in 0..n_j {
-            let bv: [__m256; V] = std::array::from_fn(|v| _mm256_loadu_ps(b.add(j * ldb + 8 * v)));
-            for (m, acc) in acc.iter_mut().enumerate() {
-                let p = _mm256_broadcast_ss(&*a.add(j * lda + m));
-                for v in 0..V {
-                    acc[v] = _mm256_fmadd_ps(p, bv[v], acc[v]);
-                }
-            }
-        }
-        for (m, acc) in acc.iter().enumerate() {
-            for (v, &x) in acc.iter().enumerate() {
-                let o = out.add(m * ldo + 8 * v);
-                let x = if acc_out {
-                    _mm256_add_ps(_mm256_loadu_ps(o), x)
-                } else {
-                    x
-                };
-                _mm256_storeu_ps(o, x);
-            }
-        }
+    #[inline]
+    unsafe fn ld1_f32(p: *const f32, i: usize) -> f32 {
+        *p.add(i)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn ld8_f16(p: *const u16, i: usize) -> __m256 {
+        _mm256_cvtph_ps(_mm_loadu_si128(p.add(i) as *const __m128i))
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn ld1_f16(p: *const u16, i: usize) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+            p.add(i).read_unaligned() as i32
+        )))
     }
 
     #[target_feature(enable = "avx2,fma")]
