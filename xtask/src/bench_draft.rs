@@ -356,13 +356,17 @@ pub fn phases(
         .collect::<Result<Vec<_>>>()?;
     phase::enable(true);
     let mut steps = vec![Vec::new(); kinds.len()];
+    // Each run's wall time per decoded token of a stream (`run_prompt`'s window), beside the
+    // steps' own timers: what the engine spends outside its steps shows as the difference.
+    let mut wall = vec![Vec::new(); kinds.len()];
     for r in 0..rounds.max(1) {
         eprintln!("phases {}/{}, {}", r + 1, rounds.max(1), load_average());
         // Each round's prompt differs in its first token, so no slot starts from a reused one.
         let mut tokens = prompt(prompt_tokens);
         tokens[0] += r as u32;
         for (k, e) in engines.iter().enumerate() {
-            run_prompt(e, kinds[k].1, tokens.clone(), decode)?;
+            let (tps, ..) = run_prompt(e, kinds[k].1, tokens.clone(), decode)?;
+            wall[k].push(kinds[k].1 as f64 / tps * 1e3);
             let want = kinds[k].3;
             steps[k].extend(
                 phase::take_steps()
@@ -418,6 +422,12 @@ pub fn phases(
         print!(" {:>10.3}", t / total[0]);
     }
     println!();
+    let wall: Vec<f64> = wall.into_iter().map(median).collect();
+    print!("{:<12}", "wall/token");
+    for w in &wall {
+        print!(" {w:>10.3}");
+    }
+    println!();
     println!(
         "steps timed: {}",
         steps
@@ -431,6 +441,7 @@ pub fn phases(
         "rounds": rounds, "kinds": kinds.iter().map(|k| k.0).collect::<Vec<_>>(),
         "steps": steps.iter().map(Vec::len).collect::<Vec<_>>(), "phases": table,
         "over_one_stream": total.iter().map(|t| t / total[0]).collect::<Vec<_>>(),
+        "wall_ms_per_stream_token": wall,
         "load_average_after": load_average()}),
     )
 }
