@@ -105,10 +105,12 @@ fn f16_head(src: &[u8], out: &mut [f32]) -> bool {
 }
 
 /// Rows `j0..j0 + out.len() / hd` of an f16 cache, `hd` values from byte `off` of each, into
-/// `out`, with AVX-512 F or F16C conversions in one call for the chunk; false (nothing
+/// `out`, with F16C conversions in one call for the chunk; false (nothing
 /// written) on a CPU without them. `f16_head`, called per row, went through `half`'s slice
 /// conversion, which converts 8 values a call: with the row loop around it, that was 54% of a
-/// one-token `attend` at depth 96 in a profile (Zen 5), 22-36 µs a call.
+/// one-token `attend` at depth 96 in a profile (Zen 5), 22-36 µs a call. Where the CPU has
+/// AVX2, FMA and F16C, `attend` reads the cache in `gemm::dots_f16` and `gemm::outer_f16`
+/// instead, so this serves the heads `outer_f16` declines (not a multiple of 16) and older CPUs.
 fn f16_heads(
     data: &[u8],
     row_bytes: usize,
@@ -152,20 +154,7 @@ fn f16_heads(
             }
         }
         /// # Safety
-        /// AVX-512 F; the rows lie in `data` (checked above), `out` holds `n * hd`.
-        #[target_feature(enable = "avx512f")]
-        unsafe fn wide(src: *const u8, row_bytes: usize, hd: usize, out: &mut [f32]) {
-            for (r, o) in out.chunks_exact_mut(hd).enumerate() {
-                let s = src.add(r * row_bytes);
-                ask_ahead(s, row_bytes, 2 * hd);
-                for c in (0..hd).step_by(16) {
-                    let h = _mm256_loadu_si256(s.add(2 * c) as *const __m256i);
-                    _mm512_storeu_ps(o.as_mut_ptr().add(c), _mm512_cvtph_ps(h));
-                }
-            }
-        }
-        /// # Safety
-        /// F16C and AVX; as `wide`.
+        /// F16C and AVX; the rows lie in `data` (checked above), `out` holds `n * hd`.
         #[target_feature(enable = "avx,f16c")]
         unsafe fn narrow(src: *const u8, row_bytes: usize, hd: usize, out: &mut [f32]) {
             for (r, o) in out.chunks_exact_mut(hd).enumerate() {
@@ -178,11 +167,6 @@ fn f16_heads(
             }
         }
         let src = data[j0 * row_bytes + off..].as_ptr();
-        if hd.is_multiple_of(16) && is_x86_feature_detected!("avx512f") {
-            // SAFETY: the feature check; the bounds were checked above.
-            unsafe { wide(src, row_bytes, hd, out) };
-            return true;
-        }
         if hd.is_multiple_of(8)
             && is_x86_feature_detected!("avx")
             && is_x86_feature_detected!("f16c")
@@ -458,7 +442,7 @@ mod tests {
     /// start and an odd number of rows.
     #[test]
     fn f16_cache_heads_match_dequantize_row() {
-        // 96: AVX-512's 16 a step; 88: F16C's 8; 90: neither, row by row.
+        // 96 and 88: F16C's 8 a step; 90: row by row.
         for hd in [96, 88, 90] {
             f16_cache_heads_match(hd);
         }

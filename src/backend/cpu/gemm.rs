@@ -193,21 +193,7 @@ impl Dots {
         } = *self;
         #[cfg(target_arch = "x86_64")]
         if simd() {
-            for i0 in (0..n_x).step_by(MT) {
-                let m = MT.min(n_x - i0);
-                for r0 in (0..n_w).step_by(NR) {
-                    let n = NR.min(n_w - r0);
-                    let (xp, wp) = (x.add(i0 * ldx), w.add(r0 * ldw));
-                    let op = out.add(i0 * ldo + r0);
-                    match m {
-                        4 => x86::dots_m::<4>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
-                        3 => x86::dots_m::<3>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
-                        2 => x86::dots_m::<2>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
-                        _ => x86::dots_m::<1>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
-                    }
-                }
-            }
-            return;
+            return x86::dots_tiles(x, ldx, n_x, w, ldw, n_w, k, out, ldo, acc, false);
         }
         for i in 0..n_x {
             let xi = std::slice::from_raw_parts(x.add(i * ldx), k);
@@ -242,24 +228,22 @@ pub(super) fn outer(
     assert!(out.len() >= (n_m - 1) * ldo + n_c);
     #[cfg(target_arch = "x86_64")]
     if simd() && n_c.is_multiple_of(8 * OV) {
-        for m0 in (0..n_m).step_by(OM) {
-            for c0 in (0..n_c).step_by(8 * OV) {
-                // SAFETY: the asserts above bound every read and write.
-                unsafe {
-                    let (ap, bp) = (a.as_ptr().add(m0), b.as_ptr().add(c0));
-                    let op = out.as_mut_ptr().add(m0 * ldo + c0);
-                    macro_rules! call {
-                        ($($m:literal),*) => {
-                            match OM.min(n_m - m0) {
-                                $($m => x86::outer::<$m, OV>(ap, lda, bp, ldb, n_j, op, ldo, acc, 0),)*
-                                _ => unreachable!(),
-                            }
-                        };
-                    }
-                    call!(1, 2, 3, 4, 5, 6);
-                }
-            }
-        }
+        // SAFETY: the asserts above bound every read and write.
+        unsafe {
+            x86::outer_tiles(
+                a.as_ptr(),
+                lda,
+                n_m,
+                b.as_ptr(),
+                ldb,
+                n_c,
+                n_j,
+                out.as_mut_ptr(),
+                ldo,
+                acc,
+                false,
+            )
+        };
         return;
     }
     for m in 0..n_m {
@@ -301,29 +285,22 @@ pub(super) fn dots_f16(
         assert!(xh.len() >= (n_x - 1) * ldx + 2 * k && w.len() >= (n_w - 1) * ldw + k);
         assert!(out.len() >= (n_x - 1) * ldo + n_w);
         let (x, ldx) = (xh.as_ptr() as *const u16, ldx / 2);
-        for i0 in (0..n_x).step_by(MT) {
-            let m = MT.min(n_x - i0);
-            // SAFETY: the asserts above bound every read and write; a prefetch never faults.
-            unsafe {
-                for t in i0..i0 + m {
-                    x86::ask_ahead(
-                        x.wrapping_add((t + x86::AHEAD_ROWS) * ldx) as *const u8,
-                        2 * k,
-                    );
-                }
-                for r0 in (0..n_w).step_by(NR) {
-                    let n = NR.min(n_w - r0);
-                    let (xp, wp) = (x.add(i0 * ldx), w.as_ptr().add(r0 * ldw));
-                    let op = out.as_mut_ptr().add(i0 * ldo + r0);
-                    match m {
-                        4 => x86::dots_m_f16::<4>(n, xp, ldx, wp, ldw, k, op, ldo, false),
-                        3 => x86::dots_m_f16::<3>(n, xp, ldx, wp, ldw, k, op, ldo, false),
-                        2 => x86::dots_m_f16::<2>(n, xp, ldx, wp, ldw, k, op, ldo, false),
-                        _ => x86::dots_m_f16::<1>(n, xp, ldx, wp, ldw, k, op, ldo, false),
-                    }
-                }
-            }
-        }
+        // SAFETY: the asserts above bound every read and write; a prefetch never faults.
+        unsafe {
+            x86::dots_tiles(
+                x,
+                ldx,
+                n_x,
+                w.as_ptr(),
+                ldw,
+                n_w,
+                k,
+                out.as_mut_ptr(),
+                ldo,
+                false,
+                true,
+            )
+        };
         return true;
     }
     let _ = (xh, ldx, n_x, w, ldw, n_w, k, out, ldo);
@@ -361,25 +338,22 @@ pub(super) fn outer_f16(
         );
         assert!(out.len() >= (n_m - 1) * ldo + n_c);
         let (b, ldb) = (bh.as_ptr() as *const u16, ldb / 2);
-        for m0 in (0..n_m).step_by(OM) {
-            for c0 in (0..n_c).step_by(8 * OV) {
-                let ahead = if m0 == 0 && c0 == 0 { n_c } else { 0 };
-                // SAFETY: the asserts above bound every read and write.
-                unsafe {
-                    let (ap, bp) = (a.as_ptr().add(m0), b.add(c0));
-                    let op = out.as_mut_ptr().add(m0 * ldo + c0);
-                    macro_rules! call {
-                        ($($m:literal),*) => {
-                            match OM.min(n_m - m0) {
-                                $($m => x86::outer_f16::<$m, OV>(ap, lda, bp, ldb, n_j, op, ldo, acc, ahead),)*
-                                _ => unreachable!(),
-                            }
-                        };
-                    }
-                    call!(1, 2, 3, 4, 5, 6);
-                }
-            }
-        }
+        // SAFETY: the asserts above bound every read and write; a prefetch never faults.
+        unsafe {
+            x86::outer_tiles(
+                a.as_ptr(),
+                lda,
+                n_m,
+                b,
+                ldb,
+                n_c,
+                n_j,
+                out.as_mut_ptr(),
+                ldo,
+                acc,
+                true,
+            )
+        };
         return true;
     }
     let _ = (a, lda, n_m, bh, ldb, n_c, n_j, out, ldo, acc);
@@ -525,6 +499,157 @@ mod x86 {
         dots_f16,
         outer_f16
     );
+
+    /// A row operand's element as the tile loops below read it: f32, or f16 bits (the `f16c`
+    /// kernels, which the caller checked the CPU has).
+    pub(super) trait Elem: Sized {
+        /// # Safety
+        /// As for the kernel it calls.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn dots_m<const M: usize>(
+            n: usize,
+            x: *const Self,
+            ldx: usize,
+            w: *const f32,
+            ldw: usize,
+            k: usize,
+            out: *mut f32,
+            ldo: usize,
+            acc: bool,
+        );
+        /// # Safety
+        /// As for the kernel it calls.
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn outer<const M: usize>(
+            a: *const f32,
+            lda: usize,
+            b: *const Self,
+            ldb: usize,
+            n_j: usize,
+            out: *mut f32,
+            ldo: usize,
+            acc: bool,
+            ahead: usize,
+        );
+    }
+
+    macro_rules! elem {
+        ($t:ty, $dots_m:ident, $outer:ident) => {
+            impl Elem for $t {
+                unsafe fn dots_m<const M: usize>(
+                    n: usize,
+                    x: *const Self,
+                    ldx: usize,
+                    w: *const f32,
+                    ldw: usize,
+                    k: usize,
+                    out: *mut f32,
+                    ldo: usize,
+                    acc: bool,
+                ) {
+                    $dots_m::<M>(n, x, ldx, w, ldw, k, out, ldo, acc)
+                }
+                unsafe fn outer<const M: usize>(
+                    a: *const f32,
+                    lda: usize,
+                    b: *const Self,
+                    ldb: usize,
+                    n_j: usize,
+                    out: *mut f32,
+                    ldo: usize,
+                    acc: bool,
+                    ahead: usize,
+                ) {
+                    $outer::<M, { super::OV }>(a, lda, b, ldb, n_j, out, ldo, acc, ahead)
+                }
+            }
+        };
+    }
+    elem!(f32, dots_m, outer);
+    elem!(u16, dots_m_f16, outer_f16);
+
+    /// `dots`' tiles: `MT` rows of `x` by `NR` rows of `w` a kernel call (strides in
+    /// elements). With `ahead`, each `x` row is asked for `AHEAD_ROWS` rows before it is read
+    /// (an f16 cache, read once from memory).
+    ///
+    /// # Safety
+    /// As for `Dots::run`, and the CPU has the kernels' features.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn dots_tiles<T: Elem>(
+        x: *const T,
+        ldx: usize,
+        n_x: usize,
+        w: *const f32,
+        ldw: usize,
+        n_w: usize,
+        k: usize,
+        out: *mut f32,
+        ldo: usize,
+        acc: bool,
+        ahead: bool,
+    ) {
+        use super::{MT, NR};
+        for i0 in (0..n_x).step_by(MT) {
+            let m = MT.min(n_x - i0);
+            if ahead {
+                for t in i0..i0 + m {
+                    ask_ahead(
+                        x.wrapping_add((t + AHEAD_ROWS) * ldx) as *const u8,
+                        k * std::mem::size_of::<T>(),
+                    );
+                }
+            }
+            for r0 in (0..n_w).step_by(NR) {
+                let n = NR.min(n_w - r0);
+                let (xp, wp) = (x.add(i0 * ldx), w.add(r0 * ldw));
+                let op = out.add(i0 * ldo + r0);
+                match m {
+                    4 => T::dots_m::<4>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                    3 => T::dots_m::<3>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                    2 => T::dots_m::<2>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                    _ => T::dots_m::<1>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                }
+            }
+        }
+    }
+
+    /// `outer`'s tiles: `OM` output rows by `8 * OV` columns a kernel call (`n_c` a multiple
+    /// of `8 * OV`; strides in elements). With `ahead`, the first column pass (the one that
+    /// reads `b` from memory) asks for each row `AHEAD_ROWS` rows ahead.
+    ///
+    /// # Safety
+    /// As for `outer` after its asserts, and the CPU has the kernels' features.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn outer_tiles<T: Elem>(
+        a: *const f32,
+        lda: usize,
+        n_m: usize,
+        b: *const T,
+        ldb: usize,
+        n_c: usize,
+        n_j: usize,
+        out: *mut f32,
+        ldo: usize,
+        acc: bool,
+        ahead: bool,
+    ) {
+        use super::{OM, OV};
+        for m0 in (0..n_m).step_by(OM) {
+            for c0 in (0..n_c).step_by(8 * OV) {
+                let ask = if ahead && m0 == 0 && c0 == 0 { n_c } else { 0 };
+                let (ap, bp) = (a.add(m0), b.add(c0));
+                let op = out.add(m0 * ldo + c0);
+                match OM.min(n_m - m0) {
+                    6 => T::outer::<6>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    5 => T::outer::<5>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    4 => T::outer::<4>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    3 => T::outer::<3>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    2 => T::outer::<2>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    _ => T::outer::<1>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                }
+            }
+        }
+    }
 
     /// How many rows ahead of the one read the f16 kernels ask for a cache row: a decode
     /// step reads the cache from memory once, a head's slice of each row then a jump (the
