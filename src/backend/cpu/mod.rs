@@ -233,8 +233,17 @@ fn int8_row_chunk(row_bytes: usize, n_out: usize) -> usize {
     by_bytes.min(balanced)
 }
 
-/// Weight bytes per task of the row kernels (see `int8_row_chunk`).
-const INT8_TASK_BYTES: usize = 64 << 10;
+/// Weight bytes per task of the row kernels (see `int8_row_chunk`). Decode streams the weights
+/// from memory, and a task's stream starts cold: on the Xeon bench machine (2 threads), 64 KiB
+/// tasks streamed 1 GiB of Q8_0 rows of 1,024 at 20.8 / 21.2 GB/s for one token row and
+/// 20.1 / 19.6 for three, 256 KiB tasks at 23.3 / 22.6 and 23.1 / 21.5, 512 KiB and 1 MiB no
+/// more (medians of 11-15 passes, the sizes alternated). In the engine, steps alternating
+/// between 64 and 256 KiB within one run (`bench --engine --phases`, bench-0.8b Q8_0, 200
+/// steps, two runs with the order swapped) took the matmuls from 43.3 / 50.0 to 40.2 / 47.4 ms
+/// at one stream and 49.4 / 56.9 to 46.3 / 52.0 ms at three; PQ2_0's from 24.5 to 23.3 and
+/// 26.5 to 26.1; PTQ1_0's, bound by arithmetic, did not move. Every thread still gets at
+/// least four tasks a matrix (`int8_row_chunk`).
+const INT8_TASK_BYTES: usize = 256 << 10;
 
 /// Weight rows per task of the tiled int8 product, decoded once into the task's panel and
 /// then dotted with every token row.
