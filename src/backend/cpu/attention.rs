@@ -131,35 +131,15 @@ fn f16_heads(
     );
     #[cfg(target_arch = "x86_64")]
     {
+        use super::gemm::{ask_ahead, AHEAD_ROWS};
         use std::arch::x86_64::*;
-        /// How many cache rows ahead of the one converted each row's head is asked for. A
-        /// decode step reads the whole cache from memory once, a head's slice of each row
-        /// (512 bytes of bench-0.8b's 1 KiB rows) then a jump, and the conversion stalled on
-        /// its loads: at depth 2,048 a profile put 6.7% of a decode step in this loop, 86% of
-        /// it on the two conversions waiting for their loads. The request runs past the chunk
-        /// (and, for the last chunk, past the cache: a prefetch never faults, and the address
-        /// is only formed, never read as a reference), so a chunk's first rows arrive warm too.
-        /// `bench --engine --phases` with a 950-token prompt on bench-0.8b Q8_0 (Zen 5,
-        /// alternated): the attention cores of a 1-stream step 1.35 / 1.31 ms without, 0.96 /
-        /// 1.16 with 16 rows ahead (0.91-0.96 with 16 or 32 in a second series, 1.03 with 8),
-        /// of a 3-stream step 5.11 / 4.03 against 2.71 / 2.71.
-        const AHEAD: usize = 16;
-        /// # Safety
-        /// `_mm_prefetch` on any address is harmless.
-        #[inline(always)]
-        unsafe fn ask_ahead(row: *const u8, row_bytes: usize, bytes: usize) {
-            let a = row.wrapping_add(AHEAD * row_bytes);
-            for l in (0..bytes).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(a.wrapping_add(l) as *const i8);
-            }
-        }
         /// # Safety
         /// F16C and AVX; the rows lie in `data` (checked above), `out` holds `n * hd`.
         #[target_feature(enable = "avx,f16c")]
         unsafe fn narrow(src: *const u8, row_bytes: usize, hd: usize, out: &mut [f32]) {
             for (r, o) in out.chunks_exact_mut(hd).enumerate() {
                 let s = src.add(r * row_bytes);
-                ask_ahead(s, row_bytes, 2 * hd);
+                ask_ahead(s.wrapping_add(AHEAD_ROWS * row_bytes), 2 * hd);
                 for c in (0..hd).step_by(8) {
                     let h = _mm_loadu_si128(s.add(2 * c) as *const __m128i);
                     _mm256_storeu_ps(o.as_mut_ptr().add(c), _mm256_cvtph_ps(h));
