@@ -392,10 +392,19 @@ fn softmax_columns(
             }
         }
     }
+    // The maxima repeated over 64 values or more, so that `exp_sub_rows` runs many rows a call:
+    // one call per row of a one-token decode (4 columns) was 57 µs of a head's 310 at depth
+    // 2,048. The sums stay down each column in row order, in f64.
+    let tiled = m_rows * 64usize.div_ceil(m_rows.max(1));
+    while max.len() < tiled {
+        max.extend_from_within(..m_rows);
+    }
+    math::exp_sub_rows(body, max);
+    max.truncate(m_rows);
     sum.clear();
     sum.resize(m_rows, 0.0);
-    for row in body.chunks_exact_mut(m_rows) {
-        math::exp_sub_sum(row, max, sum);
+    for row in body.chunks_exact(m_rows) {
+        sum.iter_mut().zip(row).for_each(|(s, &v)| *s += v as f64);
     }
     for (j, row) in (full..).zip(edge.chunks_exact_mut(m_rows)) {
         for (m, s) in row.iter_mut().enumerate() {
