@@ -40,6 +40,10 @@ const TILE_ROWS: usize = 96;
 const OM: usize = 6;
 #[cfg(target_arch = "x86_64")]
 const OV: usize = 2;
+/// 16-lane column vectors per `outer` call where the CPU has AVX-512: `OM` x 4 accumulators,
+/// 4 rows and a broadcast, 29 of the 32 registers.
+#[cfg(target_arch = "x86_64")]
+const OV_Z: usize = 4;
 
 thread_local! {
     /// The dequantized slice of the current tile, reused by every task its thread runs.
@@ -49,6 +53,18 @@ thread_local! {
 #[cfg(target_arch = "x86_64")]
 fn simd() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
+/// The AVX-512 tiles (`x86::Elem`'s `wide`), where `simd()` holds too: 32 registers hold
+/// `dots`' 4 x 4 tile (a decode step's 4 query heads per KV head in one pass over the keys,
+/// where 3 + 1 converted each key row twice), and `outer` takes 16 lanes a register, 4 column
+/// passes over a chunk of V rows instead of 16. Each output is the same sum in the same order
+/// either way, so the bits do not depend on it. One token's attention at depth 2,048 over
+/// bench-0.8b's heads (caches colder than L3, 2 threads, medians of alternated runs), with the
+/// softmax's exponentials in long runs: 0.40-0.52 ms a layer before, 0.36-0.44 after.
+#[cfg(target_arch = "x86_64")]
+fn avx512() -> bool {
+    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl")
 }
 
 /// Weight rows per tile: `TILE_ROWS`, but small enough that `n_out` rows make a few tiles per
@@ -193,7 +209,7 @@ impl Dots {
         } = *self;
         #[cfg(target_arch = "x86_64")]
         if simd() {
-            return x86::dots_tiles(x, ldx, n_x, w, ldw, n_w, k, out, ldo, acc, false);
+            return x86::dots_tiles(x, ldx, n_x, w, ldw, n_w, k, out, ldo, acc, false, avx512());
         }
         for i in 0..n_x {
             let xi = std::slice::from_raw_parts(x.add(i * ldx), k);
@@ -242,6 +258,7 @@ pub(super) fn outer(
                 ldo,
                 acc,
                 false,
+                avx512(),
             )
         };
         return;
@@ -299,6 +316,7 @@ pub(super) fn dots_f16(
                 ldo,
                 false,
                 true,
+                avx512(),
             )
         };
         return true;
@@ -352,6 +370,7 @@ pub(super) fn outer_f16(
                 ldo,
                 acc,
                 true,
+                avx512(),
             )
         };
         return true;
@@ -372,8 +391,9 @@ mod x86 {
     /// bits the f32 ones give on the rows' f32 image. `$ld8` loads 8 values at an element
     /// offset, `$ld1` one.
     macro_rules! kernels {
-        ($feat:tt, $xt:ty, $ld8:ident, $ld1:ident, $dots_m:ident, $dots:ident, $outer:ident) => {
-            /// `dots::<M, N>` for a run-time `N` (1 to 3).
+        ($feat:tt, $xt:ty, $ld8:ident, $ld1:ident, $dots_m:ident, $dots:ident $(, $outer:ident)?) => {
+            /// `dots::<M, N>` for a run-time `N` (1 to 4; 4 only where AVX-512VL gives the
+            /// 21 registers it holds).
             ///
             /// # Safety
             /// As for `dots`.
@@ -391,6 +411,7 @@ mod x86 {
                 acc_out: bool,
             ) {
                 match n {
+                    4 => $dots::<M, 4>(x, ldx, w, ldw, k, out, ldo, acc_out),
                     3 => $dots::<M, 3>(x, ldx, w, ldw, k, out, ldo, acc_out),
                     2 => $dots::<M, 2>(x, ldx, w, ldw, k, out, ldo, acc_out),
                     _ => $dots::<M, 1>(x, ldx, w, ldw, k, out, ldo, acc_out),
@@ -440,6 +461,7 @@ mod x86 {
                 }
             }
 
+            $(
             /// `out[m * ldo + c] (+)= Σ_j a[j * lda + m] · b[j * ldb + c]` for `m < M`,
             /// `c < 8V`. With `ahead` > 0 each step also asks for row `j + AHEAD_ROWS` of `b`,
             /// `ahead` elements of it (the first of a chunk's column passes, which reads it
@@ -489,6 +511,7 @@ mod x86 {
                     }
                 }
             }
+            )?
         };
     }
 
@@ -502,14 +525,88 @@ mod x86 {
         dots_f16,
         outer_f16
     );
+    // The same bodies where AVX-512VL gives 32 vector registers: `dots` takes 4 rows of `w` a
+    // call (the 4 query heads of a KV head in a decode step) with `MT` = 4, 21 registers.
+    kernels!(
+        "avx512f,avx512vl,fma",
+        f32,
+        ld8_f32,
+        ld1_f32,
+        dots_m_vl,
+        dots_vl
+    );
+    kernels!(
+        "avx512f,avx512vl,fma,f16c",
+        u16,
+        ld8_f16,
+        ld1_f16,
+        dots_m_f16_vl,
+        dots_f16_vl
+    );
+
+    /// `outer` in 16-lane registers: `out[m * ldo + c] (+)= Σ_j a[j * lda + m] · b[j * ldb + c]`
+    /// for `m < M`, `c < 16V`. Each output lane is one fused multiply-add a row in `j` order
+    /// from zero, then added to the output, as in the 8-lane kernel: the same bits. `$ld16`
+    /// loads 16 values at an element offset.
+    macro_rules! outer_z {
+        ($xt:ty, $ld16:ident, $name:ident) => {
+            /// # Safety
+            /// As for the 8-lane `outer`, and the CPU has AVX-512F (and F16C for f16 rows).
+            #[target_feature(enable = "avx512f,fma,f16c")]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) unsafe fn $name<const M: usize, const V: usize>(
+                a: *const f32,
+                lda: usize,
+                b: *const $xt,
+                ldb: usize,
+                n_j: usize,
+                out: *mut f32,
+                ldo: usize,
+                acc_out: bool,
+                ahead: usize,
+            ) {
+                let mut acc = [[_mm512_setzero_ps(); V]; M];
+                for j in 0..n_j {
+                    if ahead > 0 {
+                        ask_ahead(
+                            b.wrapping_add((j + AHEAD_ROWS) * ldb) as *const u8,
+                            ahead * std::mem::size_of::<$xt>(),
+                        );
+                    }
+                    let bv: [__m512; V] = std::array::from_fn(|v| $ld16(b, j * ldb + 16 * v));
+                    for (m, acc) in acc.iter_mut().enumerate() {
+                        let p = _mm512_set1_ps(*a.add(j * lda + m));
+                        for v in 0..V {
+                            acc[v] = _mm512_fmadd_ps(p, bv[v], acc[v]);
+                        }
+                    }
+                }
+                for (m, acc) in acc.iter().enumerate() {
+                    for (v, &x) in acc.iter().enumerate() {
+                        let o = out.add(m * ldo + 16 * v);
+                        let x = if acc_out {
+                            _mm512_add_ps(_mm512_loadu_ps(o), x)
+                        } else {
+                            x
+                        };
+                        _mm512_storeu_ps(o, x);
+                    }
+                }
+            }
+        };
+    }
+    outer_z!(f32, ld16_f32, outer_z);
+    outer_z!(u16, ld16_f16, outer_f16_z);
 
     /// A row operand's element as the tile loops below read it: f32, or f16 bits (the `f16c`
-    /// kernels, which the caller checked the CPU has).
+    /// kernels, which the caller checked the CPU has). `wide` takes the AVX-512 kernels
+    /// (`avx512()`): `dots` for up to 4 rows of `w`, `outer` 64 columns a call.
     pub(super) trait Elem: Sized {
         /// # Safety
         /// As for the kernel it calls.
         #[allow(clippy::too_many_arguments)]
         unsafe fn dots_m<const M: usize>(
+            wide: bool,
             n: usize,
             x: *const Self,
             ldx: usize,
@@ -524,6 +621,7 @@ mod x86 {
         /// As for the kernel it calls.
         #[allow(clippy::too_many_arguments)]
         unsafe fn outer<const M: usize>(
+            wide: bool,
             a: *const f32,
             lda: usize,
             b: *const Self,
@@ -537,9 +635,10 @@ mod x86 {
     }
 
     macro_rules! elem {
-        ($t:ty, $dots_m:ident, $outer:ident) => {
+        ($t:ty, $dots_m:ident, $dots_m_vl:ident, $outer:ident, $outer_z:ident) => {
             impl Elem for $t {
                 unsafe fn dots_m<const M: usize>(
+                    wide: bool,
                     n: usize,
                     x: *const Self,
                     ldx: usize,
@@ -550,9 +649,14 @@ mod x86 {
                     ldo: usize,
                     acc: bool,
                 ) {
-                    $dots_m::<M>(n, x, ldx, w, ldw, k, out, ldo, acc)
+                    if wide {
+                        $dots_m_vl::<M>(n, x, ldx, w, ldw, k, out, ldo, acc)
+                    } else {
+                        $dots_m::<M>(n, x, ldx, w, ldw, k, out, ldo, acc)
+                    }
                 }
                 unsafe fn outer<const M: usize>(
+                    wide: bool,
                     a: *const f32,
                     lda: usize,
                     b: *const Self,
@@ -563,17 +667,21 @@ mod x86 {
                     acc: bool,
                     ahead: usize,
                 ) {
-                    $outer::<M, { super::OV }>(a, lda, b, ldb, n_j, out, ldo, acc, ahead)
+                    if wide {
+                        $outer_z::<M, { super::OV_Z }>(a, lda, b, ldb, n_j, out, ldo, acc, ahead)
+                    } else {
+                        $outer::<M, { super::OV }>(a, lda, b, ldb, n_j, out, ldo, acc, ahead)
+                    }
                 }
             }
         };
     }
-    elem!(f32, dots_m, outer);
-    elem!(u16, dots_m_f16, outer_f16);
+    elem!(f32, dots_m, dots_m_vl, outer, outer_z);
+    elem!(u16, dots_m_f16, dots_m_f16_vl, outer_f16, outer_f16_z);
 
-    /// `dots`' tiles: `MT` rows of `x` by `NR` rows of `w` a kernel call (strides in
-    /// elements). With `ahead`, each `x` row is asked for `AHEAD_ROWS` rows before it is read
-    /// (an f16 cache, read once from memory).
+    /// `dots`' tiles: `MT` rows of `x` by `NR` rows of `w` a kernel call, 4 with `wide` (the
+    /// AVX-512VL kernels; strides in elements). With `ahead`, each `x` row is asked for
+    /// `AHEAD_ROWS` rows before it is read (an f16 cache, read once from memory).
     ///
     /// # Safety
     /// As for `Dots::run`, and the CPU has the kernels' features.
@@ -590,8 +698,10 @@ mod x86 {
         ldo: usize,
         acc: bool,
         ahead: bool,
+        wide: bool,
     ) {
         use super::{MT, NR};
+        let nr = if wide { 4 } else { NR };
         for i0 in (0..n_x).step_by(MT) {
             let m = MT.min(n_x - i0);
             if ahead {
@@ -602,23 +712,24 @@ mod x86 {
                     );
                 }
             }
-            for r0 in (0..n_w).step_by(NR) {
-                let n = NR.min(n_w - r0);
+            for r0 in (0..n_w).step_by(nr) {
+                let n = nr.min(n_w - r0);
                 let (xp, wp) = (x.add(i0 * ldx), w.add(r0 * ldw));
                 let op = out.add(i0 * ldo + r0);
                 match m {
-                    4 => T::dots_m::<4>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
-                    3 => T::dots_m::<3>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
-                    2 => T::dots_m::<2>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
-                    _ => T::dots_m::<1>(n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                    4 => T::dots_m::<4>(wide, n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                    3 => T::dots_m::<3>(wide, n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                    2 => T::dots_m::<2>(wide, n, xp, ldx, wp, ldw, k, op, ldo, acc),
+                    _ => T::dots_m::<1>(wide, n, xp, ldx, wp, ldw, k, op, ldo, acc),
                 }
             }
         }
     }
 
     /// `outer`'s tiles: `OM` output rows by `8 * OV` columns a kernel call (`n_c` a multiple
-    /// of `8 * OV`; strides in elements). With `ahead`, the first column pass (the one that
-    /// reads `b` from memory) asks for each row `AHEAD_ROWS` rows ahead.
+    /// of `8 * OV`; strides in elements), or `16 * OV_Z` with `wide` (the AVX-512 kernel) where
+    /// they divide `n_c`. With `ahead`, the first column pass (the one that reads `b` from
+    /// memory) asks for each row `AHEAD_ROWS` rows ahead.
     ///
     /// # Safety
     /// As for `outer` after its asserts, and the CPU has the kernels' features.
@@ -635,20 +746,23 @@ mod x86 {
         ldo: usize,
         acc: bool,
         ahead: bool,
+        wide: bool,
     ) {
-        use super::{OM, OV};
+        use super::{OM, OV, OV_Z};
+        let wide = wide && n_c.is_multiple_of(16 * OV_Z);
+        let step = if wide { 16 * OV_Z } else { 8 * OV };
         for m0 in (0..n_m).step_by(OM) {
-            for c0 in (0..n_c).step_by(8 * OV) {
+            for c0 in (0..n_c).step_by(step) {
                 let ask = if ahead && m0 == 0 && c0 == 0 { n_c } else { 0 };
                 let (ap, bp) = (a.add(m0), b.add(c0));
                 let op = out.add(m0 * ldo + c0);
                 match OM.min(n_m - m0) {
-                    6 => T::outer::<6>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
-                    5 => T::outer::<5>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
-                    4 => T::outer::<4>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
-                    3 => T::outer::<3>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
-                    2 => T::outer::<2>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
-                    _ => T::outer::<1>(ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    6 => T::outer::<6>(wide, ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    5 => T::outer::<5>(wide, ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    4 => T::outer::<4>(wide, ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    3 => T::outer::<3>(wide, ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    2 => T::outer::<2>(wide, ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
+                    _ => T::outer::<1>(wide, ap, lda, bp, ldb, n_j, op, ldo, acc, ask),
                 }
             }
         }
@@ -701,6 +815,18 @@ mod x86 {
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
             p.add(i).read_unaligned() as i32
         )))
+    }
+
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn ld16_f32(p: *const f32, i: usize) -> __m512 {
+        _mm512_loadu_ps(p.add(i))
+    }
+
+    #[target_feature(enable = "avx512f,f16c")]
+    #[inline]
+    unsafe fn ld16_f16(p: *const u16, i: usize) -> __m512 {
+        _mm512_cvtph_ps(_mm256_loadu_si256(p.add(i) as *const __m256i))
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -757,7 +883,7 @@ mod tests {
     #[test]
     fn strided_dots_and_outer_match_plain_loops() {
         let (k, ldx, ldw, ldo) = (37, 41, 50, 13);
-        for (n_x, n_w) in [(1, 1), (5, 7), (9, 11)] {
+        for (n_x, n_w) in [(1, 1), (5, 7), (9, 11), (4, 4)] {
             let x = vals(n_x * ldx, 7, 31);
             let w = vals(n_w * ldw, 11, 29);
             let mut out = vec![0f32; n_x * ldo];
@@ -769,7 +895,15 @@ mod tests {
                 }
             }
         }
-        for (n_m, n_c, n_j) in [(1, 16, 1), (7, 32, 9), (13, 48, 30), (3, 5, 4)] {
+        // 64 and 192 columns: the AVX-512 kernel's passes where the CPU has it.
+        for (n_m, n_c, n_j) in [
+            (1, 16, 1),
+            (7, 32, 9),
+            (13, 48, 30),
+            (3, 5, 4),
+            (4, 64, 17),
+            (7, 192, 33),
+        ] {
             let (lda, ldb, ldo) = (n_m + 2, n_c + 3, n_c + 1);
             let a = vals(n_j * lda, 7, 31);
             let b = vals(n_j * ldb, 11, 29);
@@ -780,6 +914,130 @@ mod tests {
                 for c in 0..n_c {
                     let want: f32 = (0..n_j).map(|j| a[j * lda + m] * b[j * ldb + c]).sum();
                     assert!(close(out[m * ldo + c], 2.0 * want, n_j), "[{m},{c}]");
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 tiles (4 rows of `w` a `dots` call, 16 lanes a register in `outer`) give
+    /// the bits of the AVX2 tiles, on f32 and f16 rows: every output is the same sum in the
+    /// same order. Shapes with `dots`' edge tiles (5 x 7, and a k with a scalar tail) and
+    /// `outer`'s (7 output rows; 64 and 192 columns, which the wide kernel takes).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn wide_tiles_give_the_narrow_bits() {
+        if !(simd() && avx512() && is_x86_feature_detected!("f16c")) {
+            eprintln!("no AVX-512VL and F16C here: nothing to compare");
+            return;
+        }
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let halves = |v: &[f32]| -> Vec<u16> {
+            v.iter()
+                .map(|&x| half::f16::from_f32(x).to_bits())
+                .collect()
+        };
+        for (n_x, n_w, k) in [(5usize, 7usize, 37usize), (4, 4, 256), (9, 12, 64)] {
+            let (ldx, ldw, ldo) = (k + 3, k + 1, n_w + 2);
+            let x = vals(n_x * ldx, 7, 31);
+            let xh = halves(&x);
+            let w = vals(n_w * ldw, 11, 29);
+            let run = |f16: bool, wide: bool| {
+                let mut out = vec![0.25f32; n_x * ldo];
+                // SAFETY: the operands hold their rows at their strides; the CPU has the
+                // features (checked above).
+                unsafe {
+                    if f16 {
+                        x86::dots_tiles(
+                            xh.as_ptr(),
+                            ldx,
+                            n_x,
+                            w.as_ptr(),
+                            ldw,
+                            n_w,
+                            k,
+                            out.as_mut_ptr(),
+                            ldo,
+                            true,
+                            true,
+                            wide,
+                        )
+                    } else {
+                        x86::dots_tiles(
+                            x.as_ptr(),
+                            ldx,
+                            n_x,
+                            w.as_ptr(),
+                            ldw,
+                            n_w,
+                            k,
+                            out.as_mut_ptr(),
+                            ldo,
+                            true,
+                            false,
+                            wide,
+                        )
+                    }
+                };
+                out
+            };
+            for f16 in [false, true] {
+                assert_eq!(
+                    bits(&run(f16, true)),
+                    bits(&run(f16, false)),
+                    "dots {n_x}x{n_w}x{k}, f16 {f16}"
+                );
+            }
+        }
+        for (n_m, n_c, n_j) in [(7usize, 192usize, 33usize), (4, 64, 300), (1, 128, 5)] {
+            let (lda, ldb, ldo) = (n_m + 2, n_c + 3, n_c + 1);
+            let a = vals(n_j * lda, 7, 31);
+            let b = vals(n_j * ldb, 11, 29);
+            let bh = halves(&b);
+            let run = |f16: bool, wide: bool, acc: bool| {
+                let mut out = vals(n_m * ldo, 5, 23);
+                // SAFETY: as above; `n_c` is a multiple of both kernels' widths.
+                unsafe {
+                    if f16 {
+                        x86::outer_tiles(
+                            a.as_ptr(),
+                            lda,
+                            n_m,
+                            bh.as_ptr(),
+                            ldb,
+                            n_c,
+                            n_j,
+                            out.as_mut_ptr(),
+                            ldo,
+                            acc,
+                            true,
+                            wide,
+                        )
+                    } else {
+                        x86::outer_tiles(
+                            a.as_ptr(),
+                            lda,
+                            n_m,
+                            b.as_ptr(),
+                            ldb,
+                            n_c,
+                            n_j,
+                            out.as_mut_ptr(),
+                            ldo,
+                            acc,
+                            false,
+                            wide,
+                        )
+                    }
+                };
+                out
+            };
+            for f16 in [false, true] {
+                for acc in [false, true] {
+                    assert_eq!(
+                        bits(&run(f16, true, acc)),
+                        bits(&run(f16, false, acc)),
+                        "outer {n_m}x{n_c}x{n_j}, f16 {f16}, acc {acc}"
+                    );
                 }
             }
         }
