@@ -386,12 +386,12 @@ pub(super) use x86::{ask_ahead, AHEAD_ROWS};
 mod x86 {
     use std::arch::x86_64::*;
 
-    /// One kernel body for two kinds of `x` (`dots`) or `b` (`outer`) rows: f32, or an f16
-    /// cache's rows converted in the loads. A conversion is exact, so the f16 kernels give the
-    /// bits the f32 ones give on the rows' f32 image. `$ld8` loads 8 values at an element
+    /// One `dots` body for two kinds of `x` rows (and `outer!` below for `b`'s): f32, or an
+    /// f16 cache's rows converted in the loads. A conversion is exact, so the f16 kernels give
+    /// the bits the f32 ones give on the rows' f32 image. `$ld8` loads 8 values at an element
     /// offset, `$ld1` one.
     macro_rules! kernels {
-        ($feat:tt, $xt:ty, $ld8:ident, $ld1:ident, $dots_m:ident, $dots:ident $(, $outer:ident)?) => {
+        ($feat:tt, $xt:ty, $ld8:ident, $ld1:ident, $dots_m:ident, $dots:ident) => {
             /// `dots::<M, N>` for a run-time `N` (1 to 4; 4 only where AVX-512VL gives the
             /// 21 registers it holds).
             ///
@@ -460,71 +460,11 @@ mod x86 {
                     }
                 }
             }
-
-            $(
-            /// `out[m * ldo + c] (+)= Σ_j a[j * lda + m] · b[j * ldb + c]` for `m < M`,
-            /// `c < 8V`. With `ahead` > 0 each step also asks for row `j + AHEAD_ROWS` of `b`,
-            /// `ahead` elements of it (the first of a chunk's column passes, which reads it
-            /// from memory).
-            ///
-            /// # Safety
-            /// The CPU has the features; the operands hold `n_j` rows at their strides
-            /// (elements); `out` is valid for the writes.
-            #[target_feature(enable = $feat)]
-            #[allow(clippy::too_many_arguments)]
-            pub(super) unsafe fn $outer<const M: usize, const V: usize>(
-                a: *const f32,
-                lda: usize,
-                b: *const $xt,
-                ldb: usize,
-                n_j: usize,
-                out: *mut f32,
-                ldo: usize,
-                acc_out: bool,
-                ahead: usize,
-            ) {
-                let mut acc = [[_mm256_setzero_ps(); V]; M];
-                for j in 0..n_j {
-                    if ahead > 0 {
-                        ask_ahead(
-                            b.wrapping_add((j + AHEAD_ROWS) * ldb) as *const u8,
-                            ahead * std::mem::size_of::<$xt>(),
-                        );
-                    }
-                    let bv: [__m256; V] = std::array::from_fn(|v| $ld8(b, j * ldb + 8 * v));
-                    for (m, acc) in acc.iter_mut().enumerate() {
-                        let p = _mm256_broadcast_ss(&*a.add(j * lda + m));
-                        for v in 0..V {
-                            acc[v] = _mm256_fmadd_ps(p, bv[v], acc[v]);
-                        }
-                    }
-                }
-                for (m, acc) in acc.iter().enumerate() {
-                    for (v, &x) in acc.iter().enumerate() {
-                        let o = out.add(m * ldo + 8 * v);
-                        let x = if acc_out {
-                            _mm256_add_ps(_mm256_loadu_ps(o), x)
-                        } else {
-                            x
-                        };
-                        _mm256_storeu_ps(o, x);
-                    }
-                }
-            }
-            )?
         };
     }
 
-    kernels!("avx2,fma", f32, ld8_f32, ld1_f32, dots_m, dots, outer);
-    kernels!(
-        "avx2,fma,f16c",
-        u16,
-        ld8_f16,
-        ld1_f16,
-        dots_m_f16,
-        dots_f16,
-        outer_f16
-    );
+    kernels!("avx2,fma", f32, ld8_f32, ld1_f32, dots_m, dots);
+    kernels!("avx2,fma,f16c", u16, ld8_f16, ld1_f16, dots_m_f16, dots_f16);
     // The same bodies where AVX-512VL gives 32 vector registers: `dots` takes 4 rows of `w` a
     // call (the 4 query heads of a KV head in a decode step) with `MT` = 4, 21 registers.
     kernels!(
@@ -544,15 +484,19 @@ mod x86 {
         dots_f16_vl
     );
 
-    /// `outer` in 16-lane registers: `out[m * ldo + c] (+)= Σ_j a[j * lda + m] · b[j * ldb + c]`
-    /// for `m < M`, `c < 16V`. Each output lane is one fused multiply-add a row in `j` order
-    /// from zero, then added to the output, as in the 8-lane kernel: the same bits. `$ld16`
-    /// loads 16 values at an element offset.
-    macro_rules! outer_z {
-        ($xt:ty, $ld16:ident, $name:ident) => {
+    /// `out[m * ldo + c] (+)= Σ_j a[j * lda + m] · b[j * ldb + c]` for `m < M`, `c < LV`
+    /// (`L` lanes a register: 8 in AVX2's, 16 in AVX-512's). Each output lane is one fused
+    /// multiply-add a row in `j` order from zero, then added to the output, whatever `L`: the
+    /// same bits in both. With `ahead` > 0 each step also asks for row `j + AHEAD_ROWS` of `b`,
+    /// `ahead` elements of it (the first of a chunk's column passes, which reads it from
+    /// memory). `$ld` loads `L` values at an element offset.
+    macro_rules! outer {
+        ($feat:tt, $xt:ty, $name:ident, $ld:ident, $v:ty, $lanes:literal,
+         $zero:ident, $set1:ident, $fma:ident, $loadu:ident, $add:ident, $storeu:ident) => {
             /// # Safety
-            /// As for the 8-lane `outer`, and the CPU has AVX-512F (and F16C for f16 rows).
-            #[target_feature(enable = "avx512f,fma,f16c")]
+            /// The CPU has the features; the operands hold `n_j` rows at their strides
+            /// (elements); `out` is valid for the writes.
+            #[target_feature(enable = $feat)]
             #[allow(clippy::too_many_arguments)]
             pub(super) unsafe fn $name<const M: usize, const V: usize>(
                 a: *const f32,
@@ -565,7 +509,7 @@ mod x86 {
                 acc_out: bool,
                 ahead: usize,
             ) {
-                let mut acc = [[_mm512_setzero_ps(); V]; M];
+                let mut acc = [[$zero(); V]; M];
                 for j in 0..n_j {
                     if ahead > 0 {
                         ask_ahead(
@@ -573,30 +517,80 @@ mod x86 {
                             ahead * std::mem::size_of::<$xt>(),
                         );
                     }
-                    let bv: [__m512; V] = std::array::from_fn(|v| $ld16(b, j * ldb + 16 * v));
+                    let bv: [$v; V] = std::array::from_fn(|v| $ld(b, j * ldb + $lanes * v));
                     for (m, acc) in acc.iter_mut().enumerate() {
-                        let p = _mm512_set1_ps(*a.add(j * lda + m));
+                        let p = $set1(*a.add(j * lda + m));
                         for v in 0..V {
-                            acc[v] = _mm512_fmadd_ps(p, bv[v], acc[v]);
+                            acc[v] = $fma(p, bv[v], acc[v]);
                         }
                     }
                 }
                 for (m, acc) in acc.iter().enumerate() {
                     for (v, &x) in acc.iter().enumerate() {
-                        let o = out.add(m * ldo + 16 * v);
-                        let x = if acc_out {
-                            _mm512_add_ps(_mm512_loadu_ps(o), x)
-                        } else {
-                            x
-                        };
-                        _mm512_storeu_ps(o, x);
+                        let o = out.add(m * ldo + $lanes * v);
+                        let x = if acc_out { $add($loadu(o), x) } else { x };
+                        $storeu(o, x);
                     }
                 }
             }
         };
     }
-    outer_z!(f32, ld16_f32, outer_z);
-    outer_z!(u16, ld16_f16, outer_f16_z);
+    outer!(
+        "avx2,fma",
+        f32,
+        outer,
+        ld8_f32,
+        __m256,
+        8,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_loadu_ps,
+        _mm256_add_ps,
+        _mm256_storeu_ps
+    );
+    outer!(
+        "avx2,fma,f16c",
+        u16,
+        outer_f16,
+        ld8_f16,
+        __m256,
+        8,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_fmadd_ps,
+        _mm256_loadu_ps,
+        _mm256_add_ps,
+        _mm256_storeu_ps
+    );
+    outer!(
+        "avx512f,fma",
+        f32,
+        outer_z,
+        ld16_f32,
+        __m512,
+        16,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_loadu_ps,
+        _mm512_add_ps,
+        _mm512_storeu_ps
+    );
+    outer!(
+        "avx512f,fma,f16c",
+        u16,
+        outer_f16_z,
+        ld16_f16,
+        __m512,
+        16,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_fmadd_ps,
+        _mm512_loadu_ps,
+        _mm512_add_ps,
+        _mm512_storeu_ps
+    );
 
     /// A row operand's element as the tile loops below read it: f32, or f16 bits (the `f16c`
     /// kernels, which the caller checked the CPU has). `wide` takes the AVX-512 kernels
@@ -895,15 +889,8 @@ mod tests {
                 }
             }
         }
-        // 64 and 192 columns: the AVX-512 kernel's passes where the CPU has it.
-        for (n_m, n_c, n_j) in [
-            (1, 16, 1),
-            (7, 32, 9),
-            (13, 48, 30),
-            (3, 5, 4),
-            (4, 64, 17),
-            (7, 192, 33),
-        ] {
+        // 64 columns: the AVX-512 kernel's pass where the CPU has it.
+        for (n_m, n_c, n_j) in [(1, 16, 1), (7, 32, 9), (13, 48, 30), (3, 5, 4), (4, 64, 17)] {
             let (lda, ldb, ldo) = (n_m + 2, n_c + 3, n_c + 1);
             let a = vals(n_j * lda, 7, 31);
             let b = vals(n_j * ldb, 11, 29);
@@ -926,6 +913,7 @@ mod tests {
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn wide_tiles_give_the_narrow_bits() {
+        use x86::{dots_tiles, outer_tiles, Elem};
         if !(simd() && avx512() && is_x86_feature_detected!("f16c")) {
             eprintln!("no AVX-512VL and F16C here: nothing to compare");
             return;
@@ -936,109 +924,104 @@ mod tests {
                 .map(|&x| half::f16::from_f32(x).to_bits())
                 .collect()
         };
+        // (rows, stride, count) of each operand and of the output.
+        type Shape = (usize, usize, usize);
+        /// `dots_tiles`, adding to an output of 0.25s.
+        fn dots_of<T: Elem>(
+            x: &[T],
+            w: &[f32],
+            (n_x, ldx, n_w): Shape,
+            (ldw, k, ldo): Shape,
+            wide: bool,
+        ) -> Vec<f32> {
+            let mut out = vec![0.25f32; n_x * ldo];
+            // SAFETY: the operands hold their rows at their strides; the CPU has the features
+            // (checked by the caller).
+            let o = out.as_mut_ptr();
+            unsafe {
+                dots_tiles(
+                    x.as_ptr(),
+                    ldx,
+                    n_x,
+                    w.as_ptr(),
+                    ldw,
+                    n_w,
+                    k,
+                    o,
+                    ldo,
+                    true,
+                    true,
+                    wide,
+                )
+            };
+            out
+        }
+        /// `outer_tiles` over an output of fixed values (added to with `acc`).
+        fn outer_of<T: Elem>(
+            a: &[f32],
+            b: &[T],
+            (n_m, lda, ldb): Shape,
+            (n_c, n_j, ldo): Shape,
+            acc: bool,
+            wide: bool,
+        ) -> Vec<f32> {
+            let mut out = vals(n_m * ldo, 5, 23);
+            let o = out.as_mut_ptr();
+            // SAFETY: as above; `n_c` is a multiple of both kernels' widths.
+            unsafe {
+                outer_tiles(
+                    a.as_ptr(),
+                    lda,
+                    n_m,
+                    b.as_ptr(),
+                    ldb,
+                    n_c,
+                    n_j,
+                    o,
+                    ldo,
+                    acc,
+                    true,
+                    wide,
+                )
+            };
+            out
+        }
         for (n_x, n_w, k) in [(5usize, 7usize, 37usize), (4, 4, 256), (9, 12, 64)] {
             let (ldx, ldw, ldo) = (k + 3, k + 1, n_w + 2);
             let x = vals(n_x * ldx, 7, 31);
-            let xh = halves(&x);
             let w = vals(n_w * ldw, 11, 29);
-            let run = |f16: bool, wide: bool| {
-                let mut out = vec![0.25f32; n_x * ldo];
-                // SAFETY: the operands hold their rows at their strides; the CPU has the
-                // features (checked above).
-                unsafe {
-                    if f16 {
-                        x86::dots_tiles(
-                            xh.as_ptr(),
-                            ldx,
-                            n_x,
-                            w.as_ptr(),
-                            ldw,
-                            n_w,
-                            k,
-                            out.as_mut_ptr(),
-                            ldo,
-                            true,
-                            true,
-                            wide,
-                        )
-                    } else {
-                        x86::dots_tiles(
-                            x.as_ptr(),
-                            ldx,
-                            n_x,
-                            w.as_ptr(),
-                            ldw,
-                            n_w,
-                            k,
-                            out.as_mut_ptr(),
-                            ldo,
-                            true,
-                            false,
-                            wide,
-                        )
-                    }
-                };
-                out
-            };
-            for f16 in [false, true] {
-                assert_eq!(
-                    bits(&run(f16, true)),
-                    bits(&run(f16, false)),
-                    "dots {n_x}x{n_w}x{k}, f16 {f16}"
-                );
-            }
+            let (p, q) = ((n_x, ldx, n_w), (ldw, k, ldo));
+            let msg = format!("dots {n_x}x{n_w}x{k}");
+            assert_eq!(
+                bits(&dots_of(&x, &w, p, q, true)),
+                bits(&dots_of(&x, &w, p, q, false)),
+                "{msg}"
+            );
+            let xh = halves(&x);
+            assert_eq!(
+                bits(&dots_of(&xh, &w, p, q, true)),
+                bits(&dots_of(&xh, &w, p, q, false)),
+                "{msg}, f16"
+            );
         }
         for (n_m, n_c, n_j) in [(7usize, 192usize, 33usize), (4, 64, 300), (1, 128, 5)] {
             let (lda, ldb, ldo) = (n_m + 2, n_c + 3, n_c + 1);
             let a = vals(n_j * lda, 7, 31);
             let b = vals(n_j * ldb, 11, 29);
             let bh = halves(&b);
-            let run = |f16: bool, wide: bool, acc: bool| {
-                let mut out = vals(n_m * ldo, 5, 23);
-                // SAFETY: as above; `n_c` is a multiple of both kernels' widths.
-                unsafe {
-                    if f16 {
-                        x86::outer_tiles(
-                            a.as_ptr(),
-                            lda,
-                            n_m,
-                            bh.as_ptr(),
-                            ldb,
-                            n_c,
-                            n_j,
-                            out.as_mut_ptr(),
-                            ldo,
-                            acc,
-                            true,
-                            wide,
-                        )
-                    } else {
-                        x86::outer_tiles(
-                            a.as_ptr(),
-                            lda,
-                            n_m,
-                            b.as_ptr(),
-                            ldb,
-                            n_c,
-                            n_j,
-                            out.as_mut_ptr(),
-                            ldo,
-                            acc,
-                            false,
-                            wide,
-                        )
-                    }
-                };
-                out
-            };
-            for f16 in [false, true] {
-                for acc in [false, true] {
-                    assert_eq!(
-                        bits(&run(f16, true, acc)),
-                        bits(&run(f16, false, acc)),
-                        "outer {n_m}x{n_c}x{n_j}, f16 {f16}, acc {acc}"
-                    );
-                }
+            let (p, q) = ((n_m, lda, ldb), (n_c, n_j, ldo));
+            for acc in [false, true] {
+                let msg = format!("outer {n_m}x{n_c}x{n_j}, acc {acc}");
+                assert_eq!(
+                    bits(&outer_of(&a, &b, p, q, acc, true)),
+                    bits(&outer_of(&a, &b, p, q, acc, false)),
+                    "{msg}"
+                );
+                assert_eq!(
+                    bits(&outer_of(&a, &bh, p, q, acc, true)),
+                    bits(&outer_of(&a, &bh, p, q, acc, false)),
+                    "{msg}, f16"
+                );
             }
         }
     }
