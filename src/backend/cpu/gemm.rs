@@ -489,8 +489,41 @@ mod x86 {
     /// multiply-add a row in `j` order from zero, then added to the output, whatever `L`: the
     /// same bits in both. With `ahead` > 0 each step also asks for row `j + AHEAD_ROWS` of `b`,
     /// `ahead` elements of it (the first of a chunk's column passes, which reads it from
-    /// memory). `$ld` loads `L` values at an element offset.
+    /// memory). `$ld` loads `L` values at an element offset; `ymm` and `zmm` name the
+    /// intrinsics of 8 and 16 lanes.
     macro_rules! outer {
+        (ymm $feat:tt, $xt:ty, $name:ident, $ld:ident) => {
+            outer!(
+                $feat,
+                $xt,
+                $name,
+                $ld,
+                __m256,
+                8,
+                _mm256_setzero_ps,
+                _mm256_set1_ps,
+                _mm256_fmadd_ps,
+                _mm256_loadu_ps,
+                _mm256_add_ps,
+                _mm256_storeu_ps
+            );
+        };
+        (zmm $feat:tt, $xt:ty, $name:ident, $ld:ident) => {
+            outer!(
+                $feat,
+                $xt,
+                $name,
+                $ld,
+                __m512,
+                16,
+                _mm512_setzero_ps,
+                _mm512_set1_ps,
+                _mm512_fmadd_ps,
+                _mm512_loadu_ps,
+                _mm512_add_ps,
+                _mm512_storeu_ps
+            );
+        };
         ($feat:tt, $xt:ty, $name:ident, $ld:ident, $v:ty, $lanes:literal,
          $zero:ident, $set1:ident, $fma:ident, $loadu:ident, $add:ident, $storeu:ident) => {
             /// # Safety
@@ -535,62 +568,10 @@ mod x86 {
             }
         };
     }
-    outer!(
-        "avx2,fma",
-        f32,
-        outer,
-        ld8_f32,
-        __m256,
-        8,
-        _mm256_setzero_ps,
-        _mm256_set1_ps,
-        _mm256_fmadd_ps,
-        _mm256_loadu_ps,
-        _mm256_add_ps,
-        _mm256_storeu_ps
-    );
-    outer!(
-        "avx2,fma,f16c",
-        u16,
-        outer_f16,
-        ld8_f16,
-        __m256,
-        8,
-        _mm256_setzero_ps,
-        _mm256_set1_ps,
-        _mm256_fmadd_ps,
-        _mm256_loadu_ps,
-        _mm256_add_ps,
-        _mm256_storeu_ps
-    );
-    outer!(
-        "avx512f,fma",
-        f32,
-        outer_z,
-        ld16_f32,
-        __m512,
-        16,
-        _mm512_setzero_ps,
-        _mm512_set1_ps,
-        _mm512_fmadd_ps,
-        _mm512_loadu_ps,
-        _mm512_add_ps,
-        _mm512_storeu_ps
-    );
-    outer!(
-        "avx512f,fma,f16c",
-        u16,
-        outer_f16_z,
-        ld16_f16,
-        __m512,
-        16,
-        _mm512_setzero_ps,
-        _mm512_set1_ps,
-        _mm512_fmadd_ps,
-        _mm512_loadu_ps,
-        _mm512_add_ps,
-        _mm512_storeu_ps
-    );
+    outer!(ymm "avx2,fma", f32, outer, ld8_f32);
+    outer!(ymm "avx2,fma,f16c", u16, outer_f16, ld8_f16);
+    outer!(zmm "avx512f,fma", f32, outer_z, ld16_f32);
+    outer!(zmm "avx512f,fma,f16c", u16, outer_f16_z, ld16_f16);
 
     /// A row operand's element as the tile loops below read it: f32, or f16 bits (the `f16c`
     /// kernels, which the caller checked the CPU has). `wide` takes the AVX-512 kernels

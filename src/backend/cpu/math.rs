@@ -113,8 +113,8 @@ dispatch!(
 );
 
 dispatch!(
-    /// `x[i] = e^(x[i] - max[i % max.len()])`: columns of rows of `max.len()` (a whole number
-    /// of rows of `x` runs at a time, so the loop over each run vectorizes).
+    /// `x[i] = e^(x[i] - max[i % max.len()])`, `x` taken in runs of `max.len()` (the loop
+    /// over a run vectorizes, so callers make `max` long: rows of columns tiled).
     exp_sub_rows(x: &mut [f32], max: &[f32]) {
         if max.is_empty() {
             return;
