@@ -442,6 +442,16 @@ fn softmax_columns(
 mod tests {
     use super::*;
 
+    /// Values in [-1, 1) from an xorshift generator.
+    fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        }
+    }
+
     /// `softmax_columns` as it ran before its passes were tiled: a row at a time, `exp` per
     /// value. The reference for `tiled_softmax_is_the_rowwise_bits`.
     fn softmax_rowwise(st: &mut [f32], m_rows: usize, ctx: impl Fn(usize) -> usize, scale: f32) {
@@ -477,13 +487,7 @@ mod tests {
     /// a causal edge where the columns end at different rows.
     #[test]
     fn tiled_softmax_is_the_rowwise_bits() {
-        let mut seed = 0x1234_5678_9abc_def1u64;
-        let mut rnd = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        };
+        let mut rnd = uniform(0x1234_5678_9abc_def1u64);
         for (m_rows, group) in [(4, 4), (1, 1), (12, 4), (48, 16), (80, 80)] {
             for n_ctx in [1usize, 5, 16, 17, 300, 2049] {
                 let base: Vec<f32> = (0..n_ctx * m_rows).map(|_| 40.0 * rnd()).collect();
@@ -546,13 +550,7 @@ mod tests {
     /// kernels), 88 (`outer` on a decoded chunk) and 90 (the dot's scalar tail).
     #[test]
     fn f16_cache_attention_is_its_f32_images_bits() {
-        let mut seed = 0x2545_f491_4f6c_dd1du64;
-        let mut rnd = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        };
+        let mut rnd = uniform(0x2545_f491_4f6c_dd1du64);
         for hd in [256, 88, 90] {
             let (n_head, n_head_kv) = (8, 2);
             let p = AttnParams {
