@@ -407,9 +407,7 @@ fn softmax_columns(
             }
         }
     }
-    while max.len() < tiled {
-        max.extend_from_within(..m_rows);
-    }
+    repeat_columns(max, m_rows, tiled);
     math::exp_sub_rows(body, max);
     max.truncate(m_rows);
     sum.clear();
@@ -430,11 +428,17 @@ fn softmax_columns(
     // Each column's reciprocal, repeated over the tile as the maxima were.
     max.clear();
     max.extend(sum.iter().map(|&s| (1.0 / s) as f32));
-    while max.len() < tiled {
-        max.extend_from_within(..m_rows);
-    }
+    repeat_columns(max, m_rows, tiled);
     for chunk in st.chunks_mut(tiled) {
         chunk.iter_mut().zip(max.iter()).for_each(|(s, &i)| *s *= i);
+    }
+}
+
+/// `v`'s first `m_rows` values (one per column) repeated until `v` holds `tiled` of them.
+fn repeat_columns(v: &mut Vec<f32>, m_rows: usize, tiled: usize) {
+    v.truncate(m_rows);
+    while v.len() < tiled {
+        v.extend_from_within(..m_rows);
     }
 }
 
