@@ -71,6 +71,15 @@ pub struct QActs {
     /// block's eight i32 partial sums.
     pub(super) d8: Vec<f32>,
     pub(super) o8: Vec<f32>,
+    /// For Q8_0 on x86 (see [`quad_levels`]): each row's whole groups of four blocks with the
+    /// first 16 levels of the four blocks, then their last 16; per group `d` and `o / 4` of
+    /// each block four times, the lanes its levels meet in that order.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(super) quads: Vec<i8>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(super) d4: Vec<f32>,
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    pub(super) o4: Vec<f32>,
     /// For PQ2_0 (see [`pair_levels`]): each row's levels with the blocks taken in pairs, and
     /// per pair `d` and `o / 8` of its first block in lanes 0..8, of its second in 8..16.
     pub(super) pairs: Vec<i8>,
@@ -126,6 +135,22 @@ fn pair_levels(qs: &[i8], k: usize, pairs: &mut [i8]) {
     }
 }
 
+/// One row's Q8_0 levels for the four-block step of `x86_int8::q8_0_vnni_rows`: per whole
+/// group of four 32-level blocks, the first 16 levels of each block in turn, then the last 16
+/// of each. A 512-bit vector of either half then holds four lanes of each block, so two
+/// `vpdpbusd` into the same lanes sum eight levels of one block, and the scaling that follows
+/// covers four blocks at a time instead of two. `p` holds the whole groups only.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn quad_levels(q: &[i8], p: &mut [i8]) {
+    for (g, pg) in q.chunks_exact(128).zip(p.chunks_exact_mut(128)) {
+        for h in 0..2 {
+            for c in 0..4 {
+                pg[64 * h + 16 * c..][..16].copy_from_slice(&g[32 * c + 16 * h..][..16]);
+            }
+        }
+    }
+}
+
 impl QActs {
     /// Quantizes `x` (`rows` of `k`, `k` a whole number of `ty`'s blocks) for weights of type
     /// `ty`: per block, `d = max |x| / 127` and `q = round(x / d)`.
@@ -156,6 +181,9 @@ impl QActs {
             o: vec![0.0; nb],
             d8: Vec::new(),
             o8: Vec::new(),
+            quads: Vec::new(),
+            d4: Vec::new(),
+            o4: Vec::new(),
             pairs: Vec::new(),
             d16: Vec::new(),
             o16: Vec::new(),
@@ -196,6 +224,24 @@ impl QActs {
         if qk == 32 {
             a.d8 = a.d.iter().flat_map(|&d| [d; 8]).collect();
             a.o8 = a.o.iter().flat_map(|&o| [o / 8.0; 8]).collect();
+        }
+        // Only the x86 VNNI kernel reads them (`x86_int8::q8_0_vnni_rows`).
+        #[cfg(target_arch = "x86_64")]
+        if ty == GgmlType::Q8_0 {
+            let ng = nbr / 4;
+            a.quads = vec![0; rows * ng * 128];
+            if ng > 0 {
+                for (q, p) in a.qs.chunks_exact(k).zip(a.quads.chunks_exact_mut(ng * 128)) {
+                    quad_levels(q, p);
+                }
+            }
+            let lanes = |v: &[f32], div: f32| -> Vec<f32> {
+                v.chunks_exact(nbr)
+                    .flat_map(|r| r[..4 * ng].iter().flat_map(move |&v| [v / div; 4]))
+                    .collect()
+            };
+            a.d4 = lanes(&a.d, 1.0);
+            a.o4 = lanes(&a.o, 4.0);
         }
         if interleave {
             a.pairs = vec![0; x.len()];
