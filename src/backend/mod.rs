@@ -190,6 +190,15 @@ pub struct GdnWeights<'a, W> {
     pub norm: &'a W,
 }
 
+/// One sequence's share of [`Backend::attention_batch`]: its row count, its cache, the cache
+/// position its rows start at and their rope table.
+pub struct AttnSeq<'a, Kv> {
+    pub rows: usize,
+    pub kv: &'a mut Kv,
+    pub pos0: usize,
+    pub rope: &'a [f32],
+}
+
 /// One sequence's share of [`Backend::gdn_batch`]: its row count, its live recurrent state and,
 /// for a verify batch, the rollback cells (at least `rows - 1`) that receive the state after
 /// each row but the last.
@@ -330,6 +339,34 @@ pub trait Backend: Send + Sync {
         pos0: usize,
         rope: &[f32],
     ) -> Self::T;
+
+    /// [`Backend::attention`] over several sequences at once, each on its own cache: `qg`, `k`
+    /// and `v` hold every sequence's rows, one sequence after another; returns the outputs in
+    /// the same order. Backends that run the sequences in one pass override this; the default
+    /// runs them one after another.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_batch(
+        &self,
+        p: &AttnParams,
+        qg: &Self::T,
+        k: &Self::T,
+        v: &Self::T,
+        q_norm: &Self::W,
+        k_norm: &Self::W,
+        seqs: &mut [AttnSeq<'_, Self::Kv>],
+    ) -> Self::T {
+        if let [s] = seqs {
+            return self.attention(p, qg, k, v, q_norm, k_norm, s.kv, s.pos0, s.rope);
+        }
+        let mut outs = Vec::new();
+        let mut at = 0;
+        for s in seqs.iter_mut() {
+            let [q, kk, vv] = [qg, k, v].map(|t| self.rows(t, at, s.rows));
+            at += s.rows;
+            outs.push(self.attention(p, &q, &kk, &vv, q_norm, k_norm, s.kv, s.pos0, s.rope));
+        }
+        self.concat_rows(&outs.iter().collect::<Vec<_>>())
+    }
 
     fn new_recurrent(&self, p: &GdnParams) -> Self::Rs;
     fn recurrent_copy(&self, from: &Self::Rs, to: &mut Self::Rs);

@@ -4,7 +4,7 @@ use super::lora::{Mat, Site};
 use super::phase::{self, Phase};
 use super::weights::{AttnWeights, GdnWeights as GdnLayer, Layer, Mixer};
 use super::{Model, ModelError, Output};
-use crate::backend::{Backend, GdnSeq, GdnWeights, KvTypes};
+use crate::backend::{AttnSeq, Backend, GdnSeq, GdnWeights, KvTypes};
 
 /// Per-sequence state of the trunk: attention KV for full-attention layers, conv + SSM state
 /// for Gated DeltaNet layers, and the next position.
@@ -188,10 +188,19 @@ impl<B: Backend> Model<B> {
         );
         let ap = self.cfg.attn_params();
         let attn = phase::time(Phase::Attn);
-        let o = batch.per_seq(be, &qkv, |i, t| {
-            let (kv, pos0, rope) = &mut caches[i];
-            be.attention(&ap, t[0], t[1], t[2], &a.q_norm, &a.k_norm, kv, *pos0, rope)
-        });
+        let mut seqs: Vec<AttnSeq<'_, B::Kv>> = caches
+            .iter_mut()
+            .zip(&batch.spans)
+            .map(|((kv, pos0, rope), &(_, rows))| AttnSeq {
+                rows,
+                kv: &mut **kv,
+                pos0: *pos0,
+                rope,
+            })
+            .collect();
+        let o = be.attention_batch(
+            &ap, &qkv[0], &qkv[1], &qkv[2], &a.q_norm, &a.k_norm, &mut seqs,
+        );
         drop(attn);
         self.mm(be, at(Mat::O), &a.o, &o, &batch.lora)
     }
@@ -743,29 +752,6 @@ impl Batch {
             spans,
             rope,
         }
-    }
-
-    /// `f(i, rows of item i of each input)` for every item, stacked back into one tensor. A
-    /// lone item's rows are the whole inputs: no copy.
-    fn per_seq<B: Backend>(
-        &self,
-        be: &B,
-        inputs: &[B::T],
-        mut f: impl FnMut(usize, &[&B::T]) -> B::T,
-    ) -> B::T {
-        if self.spans.len() == 1 {
-            return f(0, &inputs.iter().collect::<Vec<_>>());
-        }
-        let outs: Vec<B::T> = self
-            .spans
-            .iter()
-            .enumerate()
-            .map(|(i, &(start, n))| {
-                let rows: Vec<B::T> = inputs.iter().map(|t| be.rows(t, start, n)).collect();
-                f(i, &rows.iter().collect::<Vec<_>>())
-            })
-            .collect();
-        be.concat_rows(&outs.iter().collect::<Vec<_>>())
     }
 
     /// Which rows each item wants h for (every row with `all_rows` or `hidden_rows`, else the

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::{
-    AttnParams, Backend, BackendError, Fold, GdnParams, GdnWeights, KvTypes, WeightSource,
+    AttnParams, AttnSeq, Backend, BackendError, Fold, GdnParams, GdnWeights, KvTypes, WeightSource,
 };
 use crate::quant::{self, hadamard::HadamardConfig};
 use crate::tensor::GgmlType;
@@ -928,64 +928,98 @@ impl Backend for CpuBackend {
         pos0: usize,
         rope_all: &[f32],
     ) -> Tensor {
+        let mut seq = [AttnSeq {
+            rows: qg.rows,
+            kv,
+            pos0,
+            rope: rope_all,
+        }];
+        self.attention_batch(p, qg, k, v, q_norm, k_norm, &mut seq)
+    }
+
+    /// Each sequence's queries, gates and keys prepared and its rows appended to its cache, then
+    /// one [`attention::attend_many`] over all of them.
+    fn attention_batch(
+        &self,
+        p: &AttnParams,
+        qg: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        q_norm: &Weight,
+        k_norm: &Weight,
+        seqs: &mut [AttnSeq<'_, Kv>],
+    ) -> Tensor {
         let hd = p.head_dim;
-        let n_tok = qg.rows;
         assert_eq!(qg.cols, 2 * p.n_head * hd);
         assert_eq!(k.cols, p.n_head_kv * hd);
         assert_eq!(
-            self.kv_len(kv),
-            pos0,
-            "attention: cache holds {} positions, batch starts at {pos0}",
-            self.kv_len(kv)
+            seqs.iter().map(|s| s.rows).sum::<usize>(),
+            qg.rows,
+            "attention: rows of the sequences"
         );
         let (qn, kn) = (q_norm.dense(), k_norm.dense());
-        let (nh, width) = (p.n_head, kv.width);
-        // Per token: queries and gates split, q and k normed and rotated.
-        let mut q = vec![0f32; n_tok * nh * hd];
-        let mut gate = vec![0f32; n_tok * nh * hd];
-        let mut k_new = vec![0f32; n_tok * width];
-        assert_eq!(
-            rope_all.len(),
-            n_tok * p.n_rot,
-            "attention: rope table size"
-        );
-        q.par_chunks_mut(nh * hd)
-            .zip(gate.par_chunks_mut(nh * hd))
-            .zip(k_new.par_chunks_mut(width))
-            .enumerate()
-            .for_each(|(t, ((qt, gt), kt))| {
-                let rope = &rope_all[t * p.n_rot..(t + 1) * p.n_rot];
-                for h in 0..nh {
-                    let src = &qg.row(t)[h * 2 * hd..(h + 1) * 2 * hd];
-                    let dq = &mut qt[h * hd..(h + 1) * hd];
-                    let s = rms_scale(&src[..hd], p.eps);
-                    for i in 0..hd {
-                        dq[i] = src[i] * s * qn[i];
+        let nh = p.n_head;
+        let mut prepared = Vec::with_capacity(seqs.len());
+        let mut at = 0;
+        for s in seqs.iter_mut() {
+            let (kv, n_tok, pos0) = (&mut *s.kv, s.rows, s.pos0);
+            assert_eq!(
+                self.kv_len(kv),
+                pos0,
+                "attention: cache holds {} positions, batch starts at {pos0}",
+                self.kv_len(kv)
+            );
+            let width = kv.width;
+            // Per token: queries and gates split, q and k normed and rotated.
+            let mut q = vec![0f32; n_tok * nh * hd];
+            let mut gate = vec![0f32; n_tok * nh * hd];
+            let mut k_new = vec![0f32; n_tok * width];
+            assert_eq!(s.rope.len(), n_tok * p.n_rot, "attention: rope table size");
+            let rope_all = s.rope;
+            q.par_chunks_mut(nh * hd)
+                .zip(gate.par_chunks_mut(nh * hd))
+                .zip(k_new.par_chunks_mut(width))
+                .enumerate()
+                .for_each(|(t, ((qt, gt), kt))| {
+                    let rope = &rope_all[t * p.n_rot..(t + 1) * p.n_rot];
+                    for h in 0..nh {
+                        let src = &qg.row(at + t)[h * 2 * hd..(h + 1) * 2 * hd];
+                        let dq = &mut qt[h * hd..(h + 1) * hd];
+                        let s = rms_scale(&src[..hd], p.eps);
+                        for i in 0..hd {
+                            dq[i] = src[i] * s * qn[i];
+                        }
+                        rope_apply(dq, rope);
+                        gt[h * hd..(h + 1) * hd].copy_from_slice(&src[hd..]);
                     }
-                    rope_apply(dq, rope);
-                    gt[h * hd..(h + 1) * hd].copy_from_slice(&src[hd..]);
-                }
-                for (src, dk) in k.row(t).chunks_exact(hd).zip(kt.chunks_exact_mut(hd)) {
-                    let s = rms_scale(src, p.eps);
-                    for i in 0..hd {
-                        dk[i] = src[i] * s * kn[i];
+                    for (src, dk) in k.row(at + t).chunks_exact(hd).zip(kt.chunks_exact_mut(hd)) {
+                        let s = rms_scale(src, p.eps);
+                        for i in 0..hd {
+                            dk[i] = src[i] * s * kn[i];
+                        }
+                        rope_apply(dk, rope);
                     }
-                    rope_apply(dk, rope);
-                }
-            });
-        kv.k.append(&k_new, width);
-        kv.v.append(&v.data, width);
-        kv.len += n_tok;
-        attention::attend(
-            p,
-            &q,
-            &gate,
-            kv.k.view(),
-            kv.v.view(),
-            kv.width,
-            pos0,
-            n_tok,
-        )
+                });
+            kv.k.append(&k_new, width);
+            kv.v.append(&v.data[at * width..(at + n_tok) * width], width);
+            kv.len += n_tok;
+            at += n_tok;
+            prepared.push((q, gate));
+        }
+        let width = seqs[0].kv.width;
+        let items: Vec<attention::Seq<'_>> = seqs
+            .iter()
+            .zip(&prepared)
+            .map(|(s, (q, gate))| attention::Seq {
+                q,
+                gate,
+                kc: s.kv.k.view(),
+                vc: s.kv.v.view(),
+                pos0: s.pos0,
+                n_tok: s.rows,
+            })
+            .collect();
+        attention::attend_many(p, width, &items)
     }
 
     fn new_recurrent(&self, p: &GdnParams) -> Recurrent {
