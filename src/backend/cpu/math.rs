@@ -2,9 +2,10 @@
 //! range reduction and a polynomial (Cephes' `expf`, within 2 ulp of the correctly rounded
 //! value) instead of a libm call per element, and the activations built on it.
 //!
-//! Each slice function has one body, compiled twice: for AVX2 + FMA when the CPU has them
-//! (chosen at run time) and for the baseline target. The body uses no fused multiply-adds,
-//! so both compilations return the same bits.
+//! Each slice function has one body, compiled three times: for AVX-512 F, for AVX2 + FMA and
+//! for the baseline target, the best the CPU has chosen at run time. The body uses no fused
+//! multiply-adds and each element's operations do not depend on the vector width, so every
+//! compilation returns the same bits.
 
 /// `e^x`. Inputs below `ln(f32::MIN_POSITIVE)` give about `f32::MIN_POSITIVE` rather than a
 /// subnormal or zero, inputs above 88 give `e^88`; NaN stays NaN.
@@ -66,7 +67,9 @@ pub fn sum_sq(x: &[f32]) -> f64 {
     acc.iter().sum::<f64>() + tail
 }
 
-/// Defines `$name(args)` that runs `$body` compiled for AVX2 + FMA where available.
+/// Defines `$name(args)` that runs `$body` compiled for AVX-512 F or AVX2 + FMA where
+/// available. Sixteen lanes instead of eight: SwiGLU of a 3-stream step (24 layers of 3 x
+/// 3,584) took 0.33 ms at eight, and the attention softmax's `exp_sub_rows` runs per stream.
 macro_rules! dispatch {
     ($(#[$m:meta])* $name:ident($($arg:ident: $ty:ty),*) $body:block) => {
         $(#[$m])*
@@ -75,9 +78,20 @@ macro_rules! dispatch {
             fn body($($arg: $ty),*) $body
             #[cfg(target_arch = "x86_64")]
             {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) {
+                    body($($arg),*)
+                }
                 #[target_feature(enable = "avx2,fma")]
                 unsafe fn avx2($($arg: $ty),*) {
                     body($($arg),*)
+                }
+                if is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                {
+                    // SAFETY: the features are present.
+                    return unsafe { avx512($($arg),*) };
                 }
                 if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
                     // SAFETY: the features are present.
