@@ -135,6 +135,14 @@ fn pair_levels(qs: &[i8], k: usize, pairs: &mut [i8]) {
     }
 }
 
+/// Per row of `nbr` blocks, each of its first `whole` blocks' values `/ div`, `N` times: the
+/// per-lane scales of the kernels that take blocks in pairs or fours.
+fn lanes<const N: usize>(v: &[f32], nbr: usize, whole: usize, div: f32) -> Vec<f32> {
+    v.chunks_exact(nbr)
+        .flat_map(|r| r[..whole].iter().flat_map(move |&v| [v / div; N]))
+        .collect()
+}
+
 /// One row's Q8_0 levels for the four-block step of `x86_int8::q8_0_vnni_rows`: per whole
 /// group of four 32-level blocks, the first 16 levels of each block in turn, then the last 16
 /// of each. A 512-bit vector of either half then holds four lanes of each block, so two
@@ -235,25 +243,15 @@ impl QActs {
                     quad_levels(q, p);
                 }
             }
-            let lanes = |v: &[f32], div: f32| -> Vec<f32> {
-                v.chunks_exact(nbr)
-                    .flat_map(|r| r[..4 * ng].iter().flat_map(move |&v| [v / div; 4]))
-                    .collect()
-            };
-            a.d4 = lanes(&a.d, 1.0);
-            a.o4 = lanes(&a.o, 4.0);
+            a.d4 = lanes::<4>(&a.d, nbr, 4 * ng, 1.0);
+            a.o4 = lanes::<4>(&a.o, nbr, 4 * ng, 4.0);
         }
         if interleave {
             a.pairs = vec![0; x.len()];
             pair_levels(&a.qs, k, &mut a.pairs);
             let np = nbr / 2;
-            let lanes = |v: &[f32], div: f32| -> Vec<f32> {
-                v.chunks_exact(nbr)
-                    .flat_map(|r| r[..2 * np].iter().flat_map(move |&v| [v / div; 8]))
-                    .collect()
-            };
-            a.d16 = lanes(&a.d, 1.0);
-            a.o16 = lanes(&a.o, 8.0);
+            a.d16 = lanes::<8>(&a.d, nbr, 2 * np, 1.0);
+            a.o16 = lanes::<8>(&a.o, nbr, 2 * np, 8.0);
         }
         a
     }

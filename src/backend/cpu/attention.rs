@@ -602,6 +602,20 @@ mod tests {
         }
     }
 
+    /// Attention of `n_head` query heads over `n_head_kv` cached heads of `hd`, rotated whole.
+    fn params(n_head: usize, n_head_kv: usize, hd: usize) -> AttnParams {
+        AttnParams {
+            n_head,
+            n_head_kv,
+            head_dim: hd,
+            n_rot: hd,
+            rope_base: 1e4,
+            rope_sections: [0; 4],
+            eps: 1e-6,
+            scale: 1.0 / (hd as f32).sqrt(),
+        }
+    }
+
     /// An f16 cache read in the kernels' loads (`gemm::dots_f16`, `gemm::outer_f16`) gives the
     /// bits attention over the cache's f32 image gives: one query and a verify's three, a
     /// block of `TB` + 1, at a chunk boundary + 1 and past two chunks; heads of 256 (both
@@ -611,16 +625,7 @@ mod tests {
         let mut rnd = uniform(0x2545_f491_4f6c_dd1du64);
         for hd in [256, 88, 90] {
             let (n_head, n_head_kv) = (8, 2);
-            let p = AttnParams {
-                n_head,
-                n_head_kv,
-                head_dim: hd,
-                n_rot: hd,
-                rope_base: 1e4,
-                rope_sections: [0; 4],
-                eps: 1e-6,
-                scale: 1.0 / (hd as f32).sqrt(),
-            };
+            let p = params(n_head, n_head_kv, hd);
             let width = n_head_kv * hd;
             for (pos0, n_tok) in [(0, 1), (5, 3), (JC, 1), (JC - 2, TB + 1), (2 * JC + 1, 3)] {
                 let n_ctx = pos0 + n_tok;
@@ -668,16 +673,7 @@ mod tests {
     fn sequences_together_give_their_bits_alone() {
         let mut rnd = uniform(0x9e37_79b9_7f4a_7c15u64);
         let (n_head, n_head_kv, hd) = (8, 2, 96);
-        let p = AttnParams {
-            n_head,
-            n_head_kv,
-            head_dim: hd,
-            n_rot: hd,
-            rope_base: 1e4,
-            rope_sections: [0; 4],
-            eps: 1e-6,
-            scale: 1.0 / (hd as f32).sqrt(),
-        };
+        let p = params(n_head, n_head_kv, hd);
         let width = n_head_kv * hd;
         let shapes = [(7, 1), (JC + 3, 3), (JC - 1, TB + 1), (0, 1)];
         let data: Vec<_> = shapes
