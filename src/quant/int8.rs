@@ -233,9 +233,10 @@ impl QActs {
             a.d8 = a.d.iter().flat_map(|&d| [d; 8]).collect();
             a.o8 = a.o.iter().flat_map(|&o| [o / 8.0; 8]).collect();
         }
-        // Only the x86 VNNI kernel reads them (`x86_int8::q8_0_vnni_rows`).
+        // Only the x86 VNNI kernel reads them (`x86_int8::q8_0_vnni_rows`): a CPU without
+        // VNNI never runs it, so it does not pay for the copy.
         #[cfg(target_arch = "x86_64")]
-        if ty == GgmlType::Q8_0 {
+        if ty == GgmlType::Q8_0 && super::x86_int8::vnni() {
             let ng = nbr / 4;
             a.quads = vec![0; rows * ng * 128];
             if ng > 0 {

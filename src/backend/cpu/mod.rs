@@ -1006,7 +1006,6 @@ impl Backend for CpuBackend {
             at += n_tok;
             prepared.push((q, gate));
         }
-        let width = seqs[0].kv.width;
         let items: Vec<attention::Seq<'_>> = seqs
             .iter()
             .zip(&prepared)
@@ -1019,7 +1018,7 @@ impl Backend for CpuBackend {
                 n_tok: s.rows,
             })
             .collect();
-        attention::attend_many(p, width, &items)
+        attention::attend_many(p, k.cols, &items)
     }
 
     fn new_recurrent(&self, p: &GdnParams) -> Recurrent {
