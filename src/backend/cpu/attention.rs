@@ -1,10 +1,13 @@
 //! The causal grouped-query softmax attention over the cache (model-qwen35.md §5), after q/k
 //! norms, RoPE and the cache append.
 //!
-//! One task per (KV head, block of `TB` query tokens): its rows are the block's queries of every
-//! head that shares the KV head, so each key and value row read serves all of them. Per task:
-//! `Sᵀ = K Qᵀ` (scores, one column per query row), a causal softmax down each column, then
-//! `O = P V` over chunks of `JC` cache rows that stay in L2, and the sigmoid gate.
+//! The cache is taken in parts of `JC` rows from its start. For a block of `TB` query tokens,
+//! one KV head and one part, the rows are the block's queries of every head that shares the KV
+//! head, so each key and value row read serves all of them: `Sᵀ = K Qᵀ` (scores, one column
+//! per query row), `e^(s - max)` down each column over the part, and `O = P V`, unnormalized.
+//! The parts are then folded in order, each rescaled to the larger maximum, divided by the sum
+//! of the exponentials once at the end, and gated by the sigmoid gate. A column's bits depend
+//! on its own context only, not on the block, the batch or the thread that ran it.
 //!
 //! A quantized cache is read a chunk of one head at a time, dequantized into per-thread
 //! scratch, so its f32 image is never held whole.
@@ -159,9 +162,9 @@ fn f16_heads(
     false
 }
 
-/// Query tokens per task.
+/// Query tokens per block.
 const TB: usize = 16;
-/// Cache rows per chunk of `P V`.
+/// Cache rows per part, counted from the cache's first row.
 const JC: usize = 256;
 
 /// Per-thread scratch of a task: its queries, its scores `Sᵀ`, its output rows, and the softmax
@@ -218,117 +221,110 @@ pub(super) fn attend(
     attend_many(p, width, &[seq])
 }
 
+/// One part's share of a block's attention (`Part::of`): per column its maximum score, the sum
+/// of `e^(s - max)` over the part's rows (in row order) and `Σ e^(s - max) v`, `[m_rows][hd]`.
+/// A column with none of its context in the part has the maximum -∞.
+#[derive(Clone)]
+struct Part {
+    max: Vec<f32>,
+    sum: Vec<f64>,
+    o: Vec<f32>,
+}
+
+impl Part {
+    /// Rows `pp * JC..` of the cache (up to the block's last context row) against block `b` of
+    /// `seq`'s queries of the heads that share KV head `g`.
+    fn of(p: &AttnParams, width: usize, seq: &Seq<'_>, g: usize, b: usize, pp: usize) -> Part {
+        let (hd, nh) = (p.head_dim, p.n_head);
+        let group = nh / p.n_head_kv;
+        let Seq {
+            q, kc, vc, pos0, ..
+        } = seq;
+        let (t0, t1) = (b * TB, ((b + 1) * TB).min(seq.n_tok));
+        // Row m of the block is token t0 + m / group, head g * group + m % group.
+        let m_rows = (t1 - t0) * group;
+        let j0 = pp * JC;
+        let n = JC.min(pos0 + t1 - j0);
+        SCRATCH.with_borrow_mut(
+            |Scratch {
+                 qb,
+                 st,
+                 max,
+                 sum,
+                 buf,
+                 row,
+                 ..
+             }| {
+                qb.clear();
+                for t in t0..t1 {
+                    qb.extend_from_slice(&q[(t * nh + g * group) * hd..][..group * hd]);
+                }
+                // Sᵀ[j][m] = k_j · q_m
+                st.resize(n * m_rows, 0.0);
+                let fast = kc.f16_from(g, hd, j0).is_some_and(|(kh, ld)| {
+                    gemm::dots_f16(kh, ld, n, qb, hd, m_rows, hd, st, m_rows)
+                });
+                if !fast {
+                    let (keys, ld) = kc.head(g, hd, width, j0, n, buf, row);
+                    gemm::dots(keys, ld, n, qb, hd, m_rows, hd, st, m_rows);
+                }
+                let ctx = |m: usize| (pos0 + t0 + m / group + 1).saturating_sub(j0).min(n);
+                exp_columns(st, m_rows, ctx, p.scale, max, sum);
+                let mut o = vec![0.0; m_rows * hd];
+                let fast = vc.f16_from(g, hd, j0).is_some_and(|(vh, ld)| {
+                    gemm::outer_f16(st, m_rows, m_rows, vh, ld, hd, n, &mut o, hd, false)
+                });
+                if !fast {
+                    let (values, ld) = vc.head(g, hd, width, j0, n, buf, row);
+                    gemm::outer(st, m_rows, m_rows, values, ld, hd, n, &mut o, hd, false);
+                }
+                Part {
+                    max: max.clone(),
+                    sum: sum.clone(),
+                    o,
+                }
+            },
+        )
+    }
+
+    /// Folds the next part in: both rescaled to the larger maximum. A column the part holds
+    /// none of is left as it is (its zero sum and output would leave it so too, but `math::exp`
+    /// takes -∞ to about `f32::MIN_POSITIVE`, not 0).
+    fn fold(&mut self, next: &Part) {
+        let hd = self.o.len() / self.max.len().max(1);
+        for (m, o) in self.o.chunks_exact_mut(hd).enumerate() {
+            let nm = next.max[m];
+            if nm == f32::NEG_INFINITY {
+                continue;
+            }
+            let top = self.max[m].max(nm);
+            let (a, b) = (math::exp(self.max[m] - top), math::exp(nm - top));
+            self.max[m] = top;
+            self.sum[m] = self.sum[m] * a as f64 + next.sum[m] * b as f64;
+            for (x, &y) in o.iter_mut().zip(&next.o[m * hd..][..hd]) {
+                *x = *x * a + y * b;
+            }
+        }
+    }
+}
+
 /// The gated attention output of each sequence on its own cache, `[n_tok][n_head * head_dim]`
-/// one sequence after another. Every sequence's tasks run in one parallel region: a step of
+/// one sequence after another. Every sequence's work runs in one parallel region: a step of
 /// several streams pays one fork and one join per layer, and a thread that finishes one
-/// stream's heads takes the next stream's instead of waiting at a join.
+/// stream's work takes the next stream's instead of waiting at a join.
 ///
-/// The tasks go KV head first, then sequence: rayon splits the list in halves, so with two
-/// threads and two KV heads both threads read the same stream's cache rows at once, each its
-/// head's half of every row, and together they stream whole rows. Sequence first put the two
-/// threads on different streams, each reading half of every row, and was slower. In a
-/// 3-stream step of bench-0.8b at depth 2,048 (`bench --engine --phases`, steps alternated
-/// between the variants in one process, two runs), the attention core took 5.65 / 5.82 ms
-/// sequence first against 5.48 / 5.73 head first, and 5.61 / 5.39 with one parallel region
-/// per stream against 5.52 / 5.35 in one.
+/// Where every sequence is one block (decode steps and verifies), each (sequence, part, KV
+/// head) is a task and the parts are folded after the region; rayon splits the list in halves,
+/// so with two threads each reads its own run of whole cache rows. One task per KV head, each
+/// reading its head's half of every row, was slower: one token's attention over a 2,048-row
+/// f16 cache of bench-0.8b's shape (2 KV heads of 256, 120 layers' caches in turn so they come
+/// from memory, 2 threads, variants alternated in one process): 323 µs a layer against 283 in
+/// parts of 256 rows (275 in parts of 512), and for 3 sequences 849 against 760 (740). Longer
+/// sequences (prefill) take one task per (sequence, KV head, block), which folds its parts as
+/// it goes: their outputs would not all fit in memory at once.
 pub(super) fn attend_many(p: &AttnParams, width: usize, seqs: &[Seq<'_>]) -> Tensor {
     let (hd, nh) = (p.head_dim, p.n_head);
-    let group = nh / p.n_head_kv;
-    let tasks: Vec<(usize, usize, usize)> = (0..p.n_head_kv)
-        .flat_map(|g| {
-            seqs.iter()
-                .enumerate()
-                .flat_map(move |(s, seq)| (0..seq.n_tok.div_ceil(TB)).map(move |b| (s, g, b)))
-        })
-        .collect();
-    let outs: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|&(s, g, b)| {
-            let Seq {
-                q,
-                gate,
-                kc,
-                vc,
-                pos0,
-                n_tok,
-            } = &seqs[s];
-            let (pos0, n_tok) = (*pos0, *n_tok);
-            let (t0, t1) = (b * TB, ((b + 1) * TB).min(n_tok));
-            // Row m of the task is token t0 + m / group, head g * group + m % group.
-            let m_rows = (t1 - t0) * group;
-            let n_ctx = pos0 + t1;
-            SCRATCH.with_borrow_mut(
-                |Scratch {
-                     qb,
-                     st,
-                     o,
-                     max,
-                     sum,
-                     buf,
-                     row,
-                 }| {
-                    qb.clear();
-                    for t in t0..t1 {
-                        qb.extend_from_slice(&q[(t * nh + g * group) * hd..][..group * hd]);
-                    }
-                    // Sᵀ[j][m] = k_j · q_m
-                    st.resize(n_ctx * m_rows, 0.0);
-                    for j0 in (0..n_ctx).step_by(JC) {
-                        let n = JC.min(n_ctx - j0);
-                        let out = &mut st[j0 * m_rows..];
-                        if kc.f16_from(g, hd, j0).is_some_and(|(kh, ld)| {
-                            gemm::dots_f16(kh, ld, n, qb, hd, m_rows, hd, out, m_rows)
-                        }) {
-                            continue;
-                        }
-                        let (keys, ld) = kc.head(g, hd, width, j0, n, buf, row);
-                        gemm::dots(
-                            keys,
-                            ld,
-                            n,
-                            qb,
-                            hd,
-                            m_rows,
-                            hd,
-                            &mut st[j0 * m_rows..],
-                            m_rows,
-                        );
-                    }
-                    softmax_columns(st, m_rows, |m| pos0 + t0 + m / group + 1, p.scale, max, sum);
-                    // O = P V, a chunk of cache rows at a time.
-                    o.resize(m_rows * hd, 0.0);
-                    for j0 in (0..n_ctx).step_by(JC) {
-                        let n = JC.min(n_ctx - j0);
-                        let p = &st[j0 * m_rows..];
-                        if vc.f16_from(g, hd, j0).is_some_and(|(vh, ld)| {
-                            gemm::outer_f16(p, m_rows, m_rows, vh, ld, hd, n, o, hd, j0 > 0)
-                        }) {
-                            continue;
-                        }
-                        let (values, ld) = vc.head(g, hd, width, j0, n, buf, row);
-                        gemm::outer(
-                            &st[j0 * m_rows..],
-                            m_rows,
-                            m_rows,
-                            values,
-                            ld,
-                            hd,
-                            n,
-                            o,
-                            hd,
-                            j0 > 0,
-                        );
-                    }
-                    // The sigmoid gate.
-                    for (m, om) in o.chunks_exact_mut(hd).enumerate() {
-                        let (t, h) = (t0 + m / group, g * group + m % group);
-                        math::mul_sigmoid(om, &gate[(t * nh + h) * hd..][..hd]);
-                    }
-                    o.clone()
-                },
-            )
-        })
-        .collect();
+    let (group, nkv) = (nh / p.n_head_kv, p.n_head_kv);
     let mut row0 = Vec::with_capacity(seqs.len());
     let mut total = 0;
     for seq in seqs {
@@ -336,10 +332,62 @@ pub(super) fn attend_many(p: &AttnParams, width: usize, seqs: &[Seq<'_>]) -> Ten
         total += seq.n_tok;
     }
     let mut out = Tensor::zeros(total, nh * hd);
-    for (&(s, g, b), o) in tasks.iter().zip(&outs) {
-        for (m, om) in o.chunks_exact(hd).enumerate() {
-            let (t, h) = (row0[s] + b * TB + m / group, g * group + m % group);
-            out.data[(t * nh + h) * hd..][..hd].copy_from_slice(om);
+    // Writes block b of sequence s, KV head g, from its folded parts.
+    let mut put = |s: usize, g: usize, b: usize, mut acc: Part| {
+        let seq = &seqs[s];
+        let hd_rows = acc.o.len() / hd;
+        for m in 0..hd_rows {
+            let inv = (1.0 / acc.sum[m]) as f32;
+            let (t, h) = (b * TB + m / group, g * group + m % group);
+            let om = &mut acc.o[m * hd..][..hd];
+            om.iter_mut().for_each(|x| *x *= inv);
+            math::mul_sigmoid(om, &seq.gate[(t * nh + h) * hd..][..hd]);
+            out.data[((row0[s] + t) * nh + h) * hd..][..hd].copy_from_slice(om);
+        }
+    };
+    let parts =
+        |s: usize, b: usize| (seqs[s].pos0 + ((b + 1) * TB).min(seqs[s].n_tok)).div_ceil(JC);
+    if seqs.iter().all(|s| s.n_tok <= TB) {
+        let tasks: Vec<(usize, usize, usize)> = (0..seqs.len())
+            .flat_map(|s| (0..parts(s, 0)).flat_map(move |pp| (0..nkv).map(move |g| (s, pp, g))))
+            .collect();
+        let done: Vec<Part> = tasks
+            .par_iter()
+            .map(|&(s, pp, g)| Part::of(p, width, &seqs[s], g, 0, pp))
+            .collect();
+        let mut at = 0;
+        for s in 0..seqs.len() {
+            let here = &done[at..at + parts(s, 0) * nkv];
+            at += here.len();
+            for g in 0..nkv {
+                let mut acc = here[g].clone();
+                here.iter()
+                    .skip(g + nkv)
+                    .step_by(nkv)
+                    .for_each(|next| acc.fold(next));
+                put(s, g, 0, acc);
+            }
+        }
+    } else {
+        let tasks: Vec<(usize, usize, usize)> = (0..nkv)
+            .flat_map(|g| {
+                seqs.iter()
+                    .enumerate()
+                    .flat_map(move |(s, seq)| (0..seq.n_tok.div_ceil(TB)).map(move |b| (s, g, b)))
+            })
+            .collect();
+        let done: Vec<Part> = tasks
+            .par_iter()
+            .map(|&(s, g, b)| {
+                let mut acc = Part::of(p, width, &seqs[s], g, b, 0);
+                for pp in 1..parts(s, b) {
+                    acc.fold(&Part::of(p, width, &seqs[s], g, b, pp));
+                }
+                acc
+            })
+            .collect();
+        for (&(s, g, b), acc) in tasks.iter().zip(done) {
+            put(s, g, b, acc);
         }
     }
     out
@@ -428,6 +476,28 @@ fn softmax_columns(
     max: &mut Vec<f32>,
     sum: &mut Vec<f64>,
 ) {
+    exp_columns(st, m_rows, ctx, scale, max, sum);
+    let tiled = m_rows * 64usize.div_ceil(m_rows.max(1));
+    // Each column's reciprocal, repeated over the tile as the maxima were.
+    max.clear();
+    max.extend(sum.iter().map(|&s| (1.0 / s) as f32));
+    repeat_columns(max, m_rows, tiled);
+    for chunk in st.chunks_mut(tiled) {
+        chunk.iter_mut().zip(max.iter()).for_each(|(s, &i)| *s *= i);
+    }
+}
+
+/// `softmax_columns` without the division: `e^(scale · s - max)` down each column over its
+/// first `ctx(m)` rows (0 past them), with each column's maximum left in `max` (-∞ for a column
+/// of no rows) and the sum of its exponentials, in row order, in `sum`.
+fn exp_columns(
+    st: &mut [f32],
+    m_rows: usize,
+    ctx: impl Fn(usize) -> usize,
+    scale: f32,
+    max: &mut Vec<f32>,
+    sum: &mut Vec<f64>,
+) {
     let n_ctx = st.len() / m_rows;
     // Rows below every column's end; the rest hold the causal mask's edge.
     let full = (0..m_rows).map(&ctx).min().unwrap_or(0).min(n_ctx);
@@ -478,13 +548,6 @@ fn softmax_columns(
                 *s = 0.0;
             }
         }
-    }
-    // Each column's reciprocal, repeated over the tile as the maxima were.
-    max.clear();
-    max.extend(sum.iter().map(|&s| (1.0 / s) as f32));
-    repeat_columns(max, m_rows, tiled);
-    for chunk in st.chunks_mut(tiled) {
-        chunk.iter_mut().zip(max.iter()).for_each(|(s, &i)| *s *= i);
     }
 }
 
@@ -663,6 +726,59 @@ mod tests {
                     "hd {hd}, pos0 {pos0}, {n_tok} tokens"
                 );
             }
+        }
+    }
+
+    /// A query's output bits depend on its own context only: a token alone, in a verify's 3
+    /// rows and in a prefill block of `TB` + 1 rows (the two ways `attend_many` divides its
+    /// work) gives the same row, with its context ending just before, at and after a part's
+    /// end.
+    #[test]
+    fn a_querys_bits_do_not_depend_on_its_block() {
+        let mut rnd = uniform(0x5851_f42d_4c95_7f2du64);
+        let (n_head, n_head_kv, hd) = (8, 2, 96);
+        let p = params(n_head, n_head_kv, hd);
+        let (width, qw) = (n_head_kv * hd, n_head * hd);
+        let n_ctx = 2 * JC + TB + 2;
+        let mut v = |n: usize| -> Vec<f32> { (0..n).map(|_| rnd()).collect() };
+        let (q, gate, kf) = (v(n_ctx * qw), v(n_ctx * qw), v(n_ctx * width));
+        let vh: Vec<u8> = v(n_ctx * width)
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(4.0 * x).to_le_bytes())
+            .collect();
+        // Tokens from..from + n on the cache's first from + n rows.
+        let run = |from: usize, n: usize| {
+            let seq = Seq {
+                q: &q[from * qw..(from + n) * qw],
+                gate: &gate[from * qw..(from + n) * qw],
+                kc: Rows::F32(&kf[..(from + n) * width]),
+                vc: Rows::Blocks {
+                    ty: GgmlType::F16,
+                    data: &vh[..(from + n) * width * 2],
+                    row_bytes: width * 2,
+                },
+                pos0: from,
+                n_tok: n,
+            };
+            attend_many(&p, width, &[seq])
+        };
+        let bits = |t: &Tensor, r: usize| -> Vec<u32> {
+            t.data[r * qw..(r + 1) * qw]
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        };
+        for pos in [JC - 2, JC - 1, JC, JC + 1, 2 * JC - 1, 2 * JC + 1] {
+            let alone = run(pos, 1);
+            assert!(alone.data.iter().all(|x| x.is_finite()));
+            let verify = run(pos - 1, 3);
+            assert_eq!(bits(&verify, 1), bits(&alone, 0), "verify, token {pos}");
+            let block = run(pos - TB, TB + 2);
+            assert_eq!(
+                bits(&block, TB),
+                bits(&alone, 0),
+                "prefill block, token {pos}"
+            );
         }
     }
 
