@@ -386,6 +386,19 @@ pub(super) use x86::{ask_ahead, AHEAD_ROWS};
 mod x86 {
     use std::arch::x86_64::*;
 
+    /// `$k::<$c, N>(args)` for the run-time `N` in `$n` (1 to 4): the `dots`-shaped kernels
+    /// take their count of `w` rows as a constant.
+    macro_rules! by_n {
+        ($n:expr, $k:ident::<$c:tt>($($a:expr),*)) => {
+            match $n {
+                4 => $k::<$c, 4>($($a),*),
+                3 => $k::<$c, 3>($($a),*),
+                2 => $k::<$c, 2>($($a),*),
+                _ => $k::<$c, 1>($($a),*),
+            }
+        };
+    }
+
     /// One `dots` body for two kinds of `x` rows (and `outer!` below for `b`'s): f32, or an
     /// f16 cache's rows converted in the loads. A conversion is exact, so the f16 kernels give
     /// the bits the f32 ones give on the rows' f32 image. `$ld8` loads 8 values at an element
@@ -410,12 +423,7 @@ mod x86 {
                 ldo: usize,
                 acc_out: bool,
             ) {
-                match n {
-                    4 => $dots::<M, 4>(x, ldx, w, ldw, k, out, ldo, acc_out),
-                    3 => $dots::<M, 3>(x, ldx, w, ldw, k, out, ldo, acc_out),
-                    2 => $dots::<M, 2>(x, ldx, w, ldw, k, out, ldo, acc_out),
-                    _ => $dots::<M, 1>(x, ldx, w, ldw, k, out, ldo, acc_out),
-                }
+                by_n!(n, $dots::<M>(x, ldx, w, ldw, k, out, ldo, acc_out))
             }
 
             /// `out[i * ldo + r] (+)= x_i · w_r` for `i < M`, `r < N` over `k` columns.
@@ -494,32 +502,7 @@ mod x86 {
     /// process): 319 µs a layer with the 8-lane kernel, 301 with pairs; 924 and 866 for 3
     /// sequences.
     macro_rules! pairs {
-        ($feat:tt, $xt:ty, $ld8x2:ident, $ld1:ident, $pairs_m:ident, $pairs:ident) => {
-            /// `$pairs::<P, N>` for a run-time `N` (1 to 4).
-            ///
-            /// # Safety
-            /// As for `dots`, with `2 * P` rows of `x`.
-            #[target_feature(enable = $feat)]
-            #[allow(clippy::too_many_arguments)]
-            pub(super) unsafe fn $pairs_m<const P: usize>(
-                n: usize,
-                x: *const $xt,
-                ldx: usize,
-                w: *const f32,
-                ldw: usize,
-                k: usize,
-                out: *mut f32,
-                ldo: usize,
-                acc_out: bool,
-            ) {
-                match n {
-                    4 => $pairs::<P, 4>(x, ldx, w, ldw, k, out, ldo, acc_out),
-                    3 => $pairs::<P, 3>(x, ldx, w, ldw, k, out, ldo, acc_out),
-                    2 => $pairs::<P, 2>(x, ldx, w, ldw, k, out, ldo, acc_out),
-                    _ => $pairs::<P, 1>(x, ldx, w, ldw, k, out, ldo, acc_out),
-                }
-            }
-
+        ($feat:tt, $xt:ty, $ld8x2:ident, $ld1:ident, $pairs:ident) => {
             /// `out[i * ldo + r] (+)= x_i · w_r` for `i < 2 * P`, `r < N` over `k` columns.
             ///
             /// # Safety
@@ -567,20 +550,12 @@ mod x86 {
             }
         };
     }
-    pairs!(
-        "avx512f,avx512vl,fma",
-        f32,
-        ld8x2_f32,
-        ld1_f32,
-        pairs_m,
-        pairs
-    );
+    pairs!("avx512f,avx512vl,fma", f32, ld8x2_f32, ld1_f32, pairs);
     pairs!(
         "avx512f,avx512vl,fma,f16c",
         u16,
         ld8x2_f16,
         ld1_f16,
-        pairs_m_f16,
         pairs_f16
     );
 
@@ -710,7 +685,7 @@ mod x86 {
     }
 
     macro_rules! elem {
-        ($t:ty, $dots_m:ident, $dots_m_vl:ident, $pairs_m:ident, $outer:ident, $outer_z:ident) => {
+        ($t:ty, $dots_m:ident, $dots_m_vl:ident, $pairs:ident, $outer:ident, $outer_z:ident) => {
             impl Elem for $t {
                 unsafe fn dots_m<const M: usize>(
                     wide: bool,
@@ -729,8 +704,8 @@ mod x86 {
                         // one: the same bits either way.
                         let t = M / 2 * 2;
                         match M / 2 {
-                            2 => $pairs_m::<2>(n, x, ldx, w, ldw, k, out, ldo, acc),
-                            1 => $pairs_m::<1>(n, x, ldx, w, ldw, k, out, ldo, acc),
+                            2 => by_n!(n, $pairs::<2>(x, ldx, w, ldw, k, out, ldo, acc)),
+                            1 => by_n!(n, $pairs::<1>(x, ldx, w, ldw, k, out, ldo, acc)),
                             _ => {}
                         }
                         if t < M {
@@ -762,12 +737,12 @@ mod x86 {
             }
         };
     }
-    elem!(f32, dots_m, dots_m_vl, pairs_m, outer, outer_z);
+    elem!(f32, dots_m, dots_m_vl, pairs, outer, outer_z);
     elem!(
         u16,
         dots_m_f16,
         dots_m_f16_vl,
-        pairs_m_f16,
+        pairs_f16,
         outer_f16,
         outer_f16_z
     );
