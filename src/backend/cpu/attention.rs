@@ -224,7 +224,7 @@ pub(super) fn attend(
 /// One part's share of a block's attention (`Part::of`): per column its maximum score, the sum
 /// of `e^(s - max)` over the part's rows (in row order) and `Σ e^(s - max) v`, `[m_rows][hd]`.
 /// A column with none of its context in the part has the maximum -∞.
-#[derive(Clone)]
+#[derive(Default)]
 struct Part {
     max: Vec<f32>,
     sum: Vec<f64>,
@@ -235,6 +235,13 @@ impl Part {
     /// Rows `pp * JC..` of the cache (up to the block's last context row) against block `b` of
     /// `seq`'s queries of the heads that share KV head `g`.
     fn of(p: &AttnParams, width: usize, seq: &Seq<'_>, g: usize, b: usize, pp: usize) -> Part {
+        let mut part = Part::default();
+        part.fill(p, width, seq, g, b, pp);
+        part
+    }
+
+    /// `Part::of` into this part's buffers (a prefill task reuses one for every part it folds).
+    fn fill(&mut self, p: &AttnParams, width: usize, seq: &Seq<'_>, g: usize, b: usize, pp: usize) {
         let (hd, nh) = (p.head_dim, p.n_head);
         let group = nh / p.n_head_kv;
         let Seq {
@@ -247,13 +254,7 @@ impl Part {
         let n = JC.min(pos0 + t1 - j0);
         SCRATCH.with_borrow_mut(
             |Scratch {
-                 qb,
-                 st,
-                 max,
-                 sum,
-                 buf,
-                 row,
-                 ..
+                 qb, st, buf, row, ..
              }| {
                 qb.clear();
                 for t in t0..t1 {
@@ -269,19 +270,15 @@ impl Part {
                     gemm::dots(keys, ld, n, qb, hd, m_rows, hd, st, m_rows);
                 }
                 let ctx = |m: usize| (pos0 + t0 + m / group + 1).saturating_sub(j0).min(n);
-                exp_columns(st, m_rows, ctx, p.scale, max, sum);
-                let mut o = vec![0.0; m_rows * hd];
+                exp_columns(st, m_rows, ctx, p.scale, &mut self.max, &mut self.sum);
+                let o = &mut self.o;
+                o.resize(m_rows * hd, 0.0);
                 let fast = vc.f16_from(g, hd, j0).is_some_and(|(vh, ld)| {
-                    gemm::outer_f16(st, m_rows, m_rows, vh, ld, hd, n, &mut o, hd, false)
+                    gemm::outer_f16(st, m_rows, m_rows, vh, ld, hd, n, o, hd, false)
                 });
                 if !fast {
                     let (values, ld) = vc.head(g, hd, width, j0, n, buf, row);
-                    gemm::outer(st, m_rows, m_rows, values, ld, hd, n, &mut o, hd, false);
-                }
-                Part {
-                    max: max.clone(),
-                    sum: sum.clone(),
-                    o,
+                    gemm::outer(st, m_rows, m_rows, values, ld, hd, n, o, hd, false);
                 }
             },
         )
@@ -335,8 +332,7 @@ pub(super) fn attend_many(p: &AttnParams, width: usize, seqs: &[Seq<'_>]) -> Ten
     // Writes block b of sequence s, KV head g, from its folded parts.
     let mut put = |s: usize, g: usize, b: usize, mut acc: Part| {
         let seq = &seqs[s];
-        let hd_rows = acc.o.len() / hd;
-        for m in 0..hd_rows {
+        for m in 0..acc.max.len() {
             let inv = (1.0 / acc.sum[m]) as f32;
             let (t, h) = (b * TB + m / group, g * group + m % group);
             let om = &mut acc.o[m * hd..][..hd];
@@ -355,16 +351,16 @@ pub(super) fn attend_many(p: &AttnParams, width: usize, seqs: &[Seq<'_>]) -> Ten
             .par_iter()
             .map(|&(s, pp, g)| Part::of(p, width, &seqs[s], g, 0, pp))
             .collect();
-        let mut at = 0;
+        // In task order: each sequence's parts in turn, every KV head's within a part.
+        let mut done = done.into_iter();
         for s in 0..seqs.len() {
-            let here = &done[at..at + parts(s, 0) * nkv];
-            at += here.len();
-            for g in 0..nkv {
-                let mut acc = here[g].clone();
-                here.iter()
-                    .skip(g + nkv)
-                    .step_by(nkv)
-                    .for_each(|next| acc.fold(next));
+            let mut accs: Vec<Part> = done.by_ref().take(nkv).collect();
+            for _ in 1..parts(s, 0) {
+                for acc in &mut accs {
+                    acc.fold(&done.next().expect("a task for every part and KV head"));
+                }
+            }
+            for (g, acc) in accs.into_iter().enumerate() {
                 put(s, g, 0, acc);
             }
         }
@@ -380,8 +376,10 @@ pub(super) fn attend_many(p: &AttnParams, width: usize, seqs: &[Seq<'_>]) -> Ten
             .par_iter()
             .map(|&(s, g, b)| {
                 let mut acc = Part::of(p, width, &seqs[s], g, b, 0);
+                let mut next = Part::default();
                 for pp in 1..parts(s, b) {
-                    acc.fold(&Part::of(p, width, &seqs[s], g, b, pp));
+                    next.fill(p, width, &seqs[s], g, b, pp);
+                    acc.fold(&next);
                 }
                 acc
             })
@@ -477,7 +475,7 @@ fn softmax_columns(
     sum: &mut Vec<f64>,
 ) {
     exp_columns(st, m_rows, ctx, scale, max, sum);
-    let tiled = m_rows * 64usize.div_ceil(m_rows.max(1));
+    let tiled = tile(m_rows);
     // Each column's reciprocal, repeated over the tile as the maxima were.
     max.clear();
     max.extend(sum.iter().map(|&s| (1.0 / s) as f32));
@@ -508,7 +506,7 @@ fn exp_columns(
     // decode's 4 columns did not. The tile then repeats the columns' maxima, so that
     // `exp_sub_rows` runs many rows a call (one call per row was 57 µs of a head's 310 at depth
     // 2,048). The sums stay down each column in row order, in f64.
-    let tiled = m_rows * 64usize.div_ceil(m_rows.max(1));
+    let tiled = tile(m_rows);
     max.clear();
     max.resize(tiled, f32::NEG_INFINITY);
     for chunk in body.chunks_mut(tiled) {
@@ -549,6 +547,11 @@ fn exp_columns(
             }
         }
     }
+}
+
+/// Lanes of `exp_columns`' tile: `m_rows` columns repeated over 64 values or more.
+fn tile(m_rows: usize) -> usize {
+    m_rows * 64usize.div_ceil(m_rows.max(1))
 }
 
 /// `v`'s first `m_rows` values (one per column) repeated until `v` holds `tiled` of them.
