@@ -10,7 +10,7 @@ pub mod vision;
 pub mod weights;
 
 pub use config::Config;
-pub use qwen35::{BatchItem, ImageRows, MtpRows, MtpState, SeqState};
+pub use qwen35::{BatchItem, ImageRows, Joined, MtpRows, MtpState, SeqState};
 
 use std::path::Path;
 use std::sync::Arc;

@@ -391,6 +391,19 @@ impl<B: Backend> Model<B> {
         be: &B,
         items: &mut [BatchItem<'_, B>],
     ) -> Result<Vec<Output<B::T>>, ModelError> {
+        let joined = self.forward_batch_joined(be, items)?;
+        let _t = phase::time(Phase::Elementwise);
+        Ok(joined.split(be))
+    }
+
+    /// [`Model::forward_batch`] with the items' logits rows left in one tensor: a caller that
+    /// reads each item's rows where they lie (the engine's sampling) skips copying them out,
+    /// a row of the vocabulary's width per item.
+    pub fn forward_batch_joined(
+        &self,
+        be: &B,
+        items: &mut [BatchItem<'_, B>],
+    ) -> Result<Joined<B::T>, ModelError> {
         let batch = self.batch(items)?;
         let eps = self.cfg.eps;
         let mut x = {
@@ -451,8 +464,7 @@ impl<B: Backend> Model<B> {
             hl.as_ref().unwrap_or(&h),
             &lora,
         );
-        let _t = phase::time(Phase::Elementwise);
-        Ok(picks.split(be, logits, h))
+        Ok(Joined { logits, h, picks })
     }
 
     /// The batch's input rows: token embeddings, an image item's rows as given.
@@ -776,6 +788,41 @@ impl Batch {
     }
 }
 
+/// A batch's outputs before they are split per item ([`Model::forward_batch_joined`]): every
+/// item's logits rows in one tensor, one item's after another's.
+pub struct Joined<T> {
+    pub logits: T,
+    h: T,
+    picks: Picks,
+}
+
+impl<T> Joined<T> {
+    /// The logits tensor's rows: every item's.
+    pub fn logits_rows(&self) -> usize {
+        self.picks.logits.iter().map(|r| r.1).sum()
+    }
+
+    /// Item `i`'s logits rows in the tensor: (first row, count).
+    pub fn logits_run(&self, i: usize) -> (usize, usize) {
+        let first = self.picks.logits[..i].iter().map(|r| r.1).sum();
+        (first, self.picks.logits[i].1)
+    }
+
+    /// One output per item: its logits rows and its h rows.
+    pub fn split<B: Backend<T = T>>(self, be: &B) -> Vec<Output<T>> {
+        self.picks.split(be, self.logits, self.h)
+    }
+
+    /// The logits tensor whole, and each item's h rows.
+    pub fn split_h<B: Backend<T = T>>(self, be: &B) -> (T, Vec<T>) {
+        let h = match self.picks.h.len() {
+            1 => vec![self.h],
+            _ => be.split_rows(self.h, &Picks::counts(&self.picks.h)),
+        };
+        (self.logits, h)
+    }
+}
+
 /// The output rows of a batch (`Batch::picks`): runs of `(first row, count)` per item, of the
 /// batch's rows for h and of h's rows for the logits.
 struct Picks {
@@ -809,14 +856,18 @@ impl Picks {
         (!Self::whole(&self.logits, h_rows)).then(|| be.gather_rows(h, &self.logits))
     }
 
+    /// The rows of each run.
+    fn counts(runs: &[(usize, usize)]) -> Vec<usize> {
+        runs.iter().map(|r| r.1).collect()
+    }
+
     /// One output per item: its logits rows and its h rows.
     fn split<B: Backend>(&self, be: &B, logits: B::T, h: B::T) -> Vec<Output<B::T>> {
         if self.h.len() == 1 {
             return vec![Output { logits, h }];
         }
-        let counts = |runs: &[(usize, usize)]| runs.iter().map(|r| r.1).collect::<Vec<_>>();
-        let logits = be.split_rows(logits, &counts(&self.logits));
-        let h = be.split_rows(h, &counts(&self.h));
+        let logits = be.split_rows(logits, &Self::counts(&self.logits));
+        let h = be.split_rows(h, &Self::counts(&self.h));
         logits
             .into_iter()
             .zip(h)

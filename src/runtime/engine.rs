@@ -1547,7 +1547,7 @@ impl<B: Backend> Worker<B> {
                     }
                 })
                 .collect();
-            let outs = self.model.forward_batch(&self.be, &mut items);
+            let outs = self.model.forward_batch_joined(&self.be, &mut items);
             forward_s = t0.elapsed().as_secs_f64();
             outs
         });
@@ -1562,7 +1562,11 @@ impl<B: Backend> Worker<B> {
                 Err(e) => d.constraint_error = Some(e),
             }
         }
-        let outs = outs.map_err(model_err)?;
+        // Each item's logits rows stay where the forward left them, read in place by row.
+        let joined = outs.map_err(model_err)?;
+        let runs: Vec<(usize, usize)> = (0..plan.len()).map(|k| joined.logits_run(k)).collect();
+        let n_logits = joined.logits_rows();
+        let (logits, hs) = joined.split_h(&self.be);
         {
             let mut m = self.metrics.lock().unwrap();
             m.n_decode_total += 1;
@@ -1574,7 +1578,7 @@ impl<B: Backend> Worker<B> {
         // Decoding slots' kept rows and their trunk h, for the MTP block after the loop.
         let mut fills: Vec<(usize, &[u32], B::T)> = Vec::new();
         let mut prompt_only: Vec<usize> = Vec::new();
-        for (f, out) in plan.iter().zip(outs) {
+        for ((f, h), &(first, _)) in plan.iter().zip(hs).zip(&runs) {
             let (i, toks, rows) = (f.slot, &f.tokens, &f.rows);
             if f.prefill {
                 let s = &mut self.slots[i];
@@ -1598,7 +1602,7 @@ impl<B: Backend> Worker<B> {
                     None => {
                         s.tokens.extend_from_slice(toks);
                         s.dec
-                            .mtp_process(&self.model, &self.be, toks, &out.h)
+                            .mtp_process(&self.model, &self.be, toks, &h)
                             .map_err(model_err)?;
                     }
                 }
@@ -1608,7 +1612,7 @@ impl<B: Backend> Worker<B> {
                 };
                 if let Some(pooling) = task.req.embed {
                     let n_embd = self.model.cfg.n_embd;
-                    let h = self.be.to_host(&out.h);
+                    let h = self.be.to_host(&h);
                     let rows = h.chunks_exact(n_embd);
                     match pooling {
                         Pooling::None => task.embd.extend(rows.map(<[f32]>::to_vec)),
@@ -1690,7 +1694,7 @@ impl<B: Backend> Worker<B> {
                     let d = &mut self.slots[j].dec;
                     d.sampled_probs.clear();
                     let (id, _) = d
-                        .sample_row(&self.be, &out.logits, 0, 1, 0)
+                        .sample_row(&self.be, &logits, first, n_logits, 0)
                         .map_err(model_err)?;
                     d.masks.clear();
                     d.last = Some(id);
@@ -1700,7 +1704,7 @@ impl<B: Backend> Worker<B> {
                 let s = &mut self.slots[i];
                 let v = s
                     .dec
-                    .finish_verify(&self.be, &out, toks, *rows)
+                    .finish_verify(&self.be, &logits, (first, n_logits), toks, *rows)
                     .map_err(model_err)?;
                 // Rejected rows were rolled back from the rollback cells; the kept rows' h
                 // feeds the MTP head.
@@ -1708,9 +1712,9 @@ impl<B: Backend> Worker<B> {
                 s.tokens.extend_from_slice(kept);
                 if s.dec.mtp.is_some() {
                     let h = if v.kept < toks.len() {
-                        self.be.rows(&out.h, 0, v.kept)
+                        self.be.rows(&h, 0, v.kept)
                     } else {
-                        out.h
+                        h
                     };
                     fills.push((i, kept, h));
                 }

@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use crate::backend::{Backend, KvTypes};
 use crate::model::phase::{self, Phase};
-use crate::model::{BatchItem, Model, ModelError, MtpRows, MtpState, Output, SeqState};
+use crate::model::{BatchItem, Model, ModelError, MtpRows, MtpState, SeqState};
 
 use super::constraint::{Constraint, Masks};
 use super::sampler::{argmax, non_finite, probability, ProbsRequest, Sampler, TokenProbs};
@@ -647,23 +647,25 @@ impl<B: Backend> SlotDecoder<B> {
 
     /// Samples the verify rows, keeps the agreed prefix, and rolls the trunk back past it when
     /// a draft was rejected: the recurrent state from the cell of the last kept row, the
-    /// attention caches truncated. The caller hands the kept rows' h to `mtp_process`.
+    /// attention caches truncated. The caller hands the kept rows' h to `mtp_process`. The
+    /// batch's logits rows start at row `first` of `logits`, which has `n_rows` rows (other
+    /// sequences' rows beside them: `Model::forward_batch_joined`).
     pub fn finish_verify(
         &mut self,
         be: &B,
-        out: &Output<B::T>,
+        logits: &B::T,
+        (first, n_rows): (usize, usize),
         batch: &[u32],
         rows: bool,
     ) -> Result<Verified, ModelError> {
         let drafts = &batch[1..];
-        let n_rows = if rows { batch.len() } else { 1 };
         let mut produced = Vec::new();
         let mut accepted = 0;
         self.sampled_probs.clear();
         let sampling = phase::time(Phase::Sample);
         for i in 0..batch.len() {
-            let (t, woke) =
-                self.sample_row(be, &out.logits, if rows { i } else { 0 }, n_rows, i)?;
+            let row = first + if rows { i } else { 0 };
+            let (t, woke) = self.sample_row(be, logits, row, n_rows, i)?;
             produced.push(t);
             // A token that woke the grammar ends the round: the rows after it were not masked.
             let grammar_ok = !woke && self.constraint_error.is_none();
@@ -818,7 +820,10 @@ impl<'a, B: Backend> Generator<'a, B> {
             .forward_batch(self.be, &mut items)?
             .pop()
             .expect("one output");
-        let v = self.slot.finish_verify(self.be, &out, &batch, rows)?;
+        let n_rows = if rows { batch.len() } else { 1 };
+        let v = self
+            .slot
+            .finish_verify(self.be, &out.logits, (0, n_rows), &batch, rows)?;
         if self.slot.mtp.is_some() {
             let h = if v.kept < batch.len() {
                 self.be.rows(&out.h, 0, v.kept)
