@@ -566,6 +566,26 @@ mod x86_scan {
             .fold((max, finite), |(m, f), &v| (m.max(v), f && v.is_finite()))
     }
 
+    /// The first index of `ch` holding `max`, and its value: `hit(i)` masks the lanes of the
+    /// `lanes` values from `i` that equal `max`, then the tail one value at a time.
+    #[inline(always)]
+    fn first_at(
+        ch: &[f32],
+        lanes: usize,
+        max: f32,
+        hit: impl Fn(usize) -> u32,
+    ) -> Option<(usize, f32)> {
+        let full = ch.len() / lanes * lanes;
+        let at = (0..full)
+            .step_by(lanes)
+            .find_map(|i| match hit(i) {
+                0 => None,
+                m => Some(i + m.trailing_zeros() as usize),
+            })
+            .or_else(|| Some(full + ch[full..].iter().position(|&v| v == max)?))?;
+        Some((at, ch[at]))
+    }
+
     /// # Safety
     /// AVX-512 F.
     #[target_feature(enable = "avx512f")]
@@ -590,16 +610,9 @@ mod x86_scan {
             return None;
         }
         let target = _mm512_set1_ps(max);
-        for i in (0..ch.len() / L * L).step_by(L) {
-            let hit = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_loadu_ps(p.add(i)), target);
-            if hit != 0 {
-                let at = i + hit.trailing_zeros() as usize;
-                return Some((at, ch[at]));
-            }
-        }
-        let from = ch.len() / L * L;
-        let at = from + ch[from..].iter().position(|&v| v == max)?;
-        Some((at, ch[at]))
+        first_at(ch, L, max, |i| {
+            _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(_mm512_loadu_ps(p.add(i)), target) as u32
+        })
     }
 
     /// # Safety
@@ -628,17 +641,10 @@ mod x86_scan {
             return None;
         }
         let target = _mm256_set1_ps(max);
-        for i in (0..ch.len() / L * L).step_by(L) {
+        first_at(ch, L, max, |i| {
             let eq = _mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_loadu_ps(p.add(i)), target);
-            let hit = _mm256_movemask_ps(eq);
-            if hit != 0 {
-                let at = i + hit.trailing_zeros() as usize;
-                return Some((at, ch[at]));
-            }
-        }
-        let from = ch.len() / L * L;
-        let at = from + ch[from..].iter().position(|&v| v == max)?;
-        Some((at, ch[at]))
+            _mm256_movemask_ps(eq) as u32
+        })
     }
 }
 
