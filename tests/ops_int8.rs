@@ -110,9 +110,11 @@ fn int8_kernels_match_the_integer_reference_on_every_isa() {
     let n_out = 7;
     for ty in [Q8_0, Q4_0, PQ2_0, PTQ1_0] {
         // Whole blocks only; odd block counts leave Q8_0's and PQ2_0's 512-bit kernels (two
-        // blocks a step) a last single block, even ones (256, 1024, 2304 for PQ2_0) none.
+        // blocks a step) a last single block, even ones (256, 1024, 2304 for PQ2_0) none. Q8_0's
+        // four-block steps: none (1, 3 blocks), whole groups only (4), one group and 3 left (7),
+        // several and 1 left (17, 65).
         let ks: &[usize] = match ty {
-            Q8_0 | Q4_0 => &[32, 96, 544, 2080],
+            Q8_0 | Q4_0 => &[32, 96, 128, 224, 544, 2080],
             _ => &[128, 256, 384, 640, 1024, 1152, 2304],
         };
         for &k in ks {

@@ -143,11 +143,12 @@ fn lanes<const N: usize>(v: &[f32], nbr: usize, whole: usize, div: f32) -> Vec<f
         .collect()
 }
 
-/// One row's Q8_0 levels for the four-block step of `x86_int8::q8_0_vnni_rows`: per whole
-/// group of four 32-level blocks, the first 16 levels of each block in turn, then the last 16
-/// of each. A 512-bit vector of either half then holds four lanes of each block, so two
-/// `vpdpbusd` into the same lanes sum eight levels of one block, and the scaling that follows
-/// covers four blocks at a time instead of two. `p` holds the whole groups only.
+/// One row's Q8_0 levels for the four-block steps of `x86_int8::q8_0_vnni_rows` and
+/// `x86_int8::q8_0_avx2`: per whole group of four 32-level blocks, the first 16 levels of each
+/// block in turn, then the last 16 of each. A 512-bit vector of either half then holds four
+/// lanes of each block, so two `vpdpbusd` into the same lanes sum eight levels of one block, and
+/// the scaling that follows covers four blocks at a time instead of two; a 256-bit vector holds
+/// two blocks' halves, one in each 128-bit lane. `p` holds the whole groups only.
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 fn quad_levels(q: &[i8], p: &mut [i8]) {
     for (g, pg) in q.chunks_exact(128).zip(p.chunks_exact_mut(128)) {
@@ -233,10 +234,10 @@ impl QActs {
             a.d8 = a.d.iter().flat_map(|&d| [d; 8]).collect();
             a.o8 = a.o.iter().flat_map(|&o| [o / 8.0; 8]).collect();
         }
-        // Only the x86 VNNI kernel reads them (`x86_int8::q8_0_vnni_rows`): a CPU without
-        // VNNI never runs it, so it does not pay for the copy.
+        // Only the x86 kernels read them (`x86_int8::q8_0_vnni_rows` and, the levels alone,
+        // `q8_0_avx2`): a CPU without AVX2 never runs either, so it does not pay for the copy.
         #[cfg(target_arch = "x86_64")]
-        if ty == GgmlType::Q8_0 && super::x86_int8::vnni() {
+        if ty == GgmlType::Q8_0 && super::x86_int8::avx2() {
             let ng = nbr / 4;
             a.quads = vec![0; rows * ng * 128];
             if ng > 0 {

@@ -1177,24 +1177,72 @@ unsafe fn madd_u8(c: __m256i, x: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(c, x), _mm256_set1_epi16(1))
 }
 
+/// Q8_0 against `N` token rows in AVX2, four blocks a step while four remain. A block's 32
+/// products are `vpsignb` (ggml's sign trick), `vpmaddubsw` and `vpmaddwd` against ones, eight
+/// i32 lanes of one block; with the activations in `QActs::quads` order a vector holds half of
+/// each of two blocks (16 levels of one in its low 128 bits, of the next in its high), so the
+/// four products of a step sum into `[b0 | b1]` and `[b2 | b3]`, and one 64-bit unpack of the
+/// two (`[b0, b0, b2, b2 | b1, b1, b3, b3]`, each lane a sum within one block) leaves one
+/// conversion and one scaled multiply-add per four blocks where the one-block step took four
+/// of each. Those, the multiplies and the sign all issue on the same two ports of an Intel
+/// core; the unpacks and integer adds on the third. The block sums are exact and only the order
+/// of their float sums differs from the one-block step's. A last one to three blocks take the
+/// one-block step. One thread, 1 MB of rows of 2,048 in L2, the kernels' spans alternated 41
+/// times in one process (Xeon with AMX, two runs): 1 token row 11.6 / 12.6 -> 14.9 / 16.1 GB/s,
+/// 3 token rows 5.8 / 6.4 -> 7.7 / 8.0 (paired ratios 1.28 / 1.29 and 1.34 / 1.27); called row
+/// by row as `dot_rows` is, 1 row 4.9 -> 16.7 and 3 rows 3.8 -> 7.7.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn q8_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut [f32]) {
     let (k, nb) = (a.k, a.k / 32);
+    let ng = nb / 4;
+    debug_assert_eq!(a.quads.len(), a.rows * ng * 128);
+    let ones = _mm256_set1_epi16(1);
+    // Block c's scale to the lanes its sums meet after the unpack.
+    let order = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
     let mut acc = [_mm256_setzero_ps(); N];
-    for b in 0..nb {
+    for g in 0..ng {
+        let blk = row.as_ptr().add(g * 136);
+        for ahead in [0, 64, 128] {
+            prefetch(blk.add(ahead));
+        }
+        // Half h of blocks c and c + 1: [w_c[16h..16h + 16] | w_c+1[16h..16h + 16]].
+        let ld = |c: usize, h: usize| {
+            let at = |c: usize| blk.add(34 * c + 2 + 16 * h) as *const __m128i;
+            _mm256_loadu2_m128i(at(c + 1), at(c))
+        };
+        // In `quads` order: the first halves of blocks 0-1, 2-3, then the second halves.
+        let w = [ld(0, 0), ld(2, 0), ld(0, 1), ld(2, 1)];
+        let aw = w.map(|v| _mm256_sign_epi8(v, v));
+        let h = |c: usize| f16_at(blk.add(34 * c)) as i16;
+        let dw4 = _mm_cvtph_ps(_mm_setr_epi16(h(0), h(1), h(2), h(3), 0, 0, 0, 0));
+        let dw = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dw4), order);
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let t = t0 + i;
+            let xq = a.quads.as_ptr().add((t * ng + g) * 128) as *const __m256i;
+            let p: [__m256i; 4] = std::array::from_fn(|v| {
+                let x = _mm256_loadu_si256(xq.add(v));
+                _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], _mm256_sign_epi8(x, w[v])), ones)
+            });
+            let (s01, s23) = (_mm256_add_epi32(p[0], p[2]), _mm256_add_epi32(p[1], p[3]));
+            let s = _mm256_add_epi32(
+                _mm256_unpacklo_epi64(s01, s23),
+                _mm256_unpackhi_epi64(s01, s23),
+            );
+            let d4 = _mm_loadu_ps(a.d.as_ptr().add(t * nb + 4 * g));
+            let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(d4), order);
+            *acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), *acc);
+        }
+    }
+    for b in 4 * ng..nb {
         let blk = row.as_ptr().add(b * 34);
-        prefetch(blk);
         let w = _mm256_loadu_si256(blk.add(2) as *const __m256i);
         let aw = _mm256_sign_epi8(w, w);
         let dw = _mm256_set1_ps(f16_scalar(blk));
         for (i, acc) in acc.iter_mut().enumerate() {
             let t = t0 + i;
             let x = _mm256_loadu_si256(a.qs.as_ptr().add(t * k + b * 32) as *const __m256i);
-            let s = _mm256_madd_epi16(
-                _mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)),
-                _mm256_set1_epi16(1),
-            );
+            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
             let dx = _mm256_loadu_ps(a.d8.as_ptr().add((t * nb + b) * 8));
             *acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), *acc);
         }
