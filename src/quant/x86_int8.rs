@@ -1170,7 +1170,8 @@ unsafe fn panel_row_pq2_0(row: &[u8], tl: &Tiling, codes: &mut [u8], dw: &mut [f
 // ---------------------------------------------------------------------------------------------
 // AVX2
 
-/// `Σ c·x` of 32 unsigned codes (each below 64) and 32 signed levels, as eight i32 lanes.
+/// `Σ c·x` of 32 unsigned bytes and 32 signed levels, as eight i32 lanes: the pairs' i16 sums
+/// must not saturate (codes below 64, or Q8_0's `|w|` against `x` carrying `w`'s sign).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn madd_u8(c: __m256i, x: __m256i) -> __m256i {
@@ -1197,7 +1198,6 @@ unsafe fn q8_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut 
     let (k, nb) = (a.k, a.k / 32);
     let ng = nb / 4;
     debug_assert_eq!(a.quads.len(), a.rows * ng * 128);
-    let ones = _mm256_set1_epi16(1);
     // Block c's scale to the lanes its sums meet after the unpack.
     let order = _mm256_setr_epi32(0, 0, 2, 2, 1, 1, 3, 3);
     let mut acc = [_mm256_setzero_ps(); N];
@@ -1222,7 +1222,7 @@ unsafe fn q8_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut 
             let xq = a.quads.as_ptr().add((t * ng + g) * 128) as *const __m256i;
             let p: [__m256i; 4] = std::array::from_fn(|v| {
                 let x = _mm256_loadu_si256(xq.add(v));
-                _mm256_madd_epi16(_mm256_maddubs_epi16(aw[v], _mm256_sign_epi8(x, w[v])), ones)
+                madd_u8(aw[v], _mm256_sign_epi8(x, w[v]))
             });
             let (s01, s23) = (_mm256_add_epi32(p[0], p[2]), _mm256_add_epi32(p[1], p[3]));
             let s = _mm256_add_epi32(
@@ -1242,7 +1242,7 @@ unsafe fn q8_0_avx2<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut 
         for (i, acc) in acc.iter_mut().enumerate() {
             let t = t0 + i;
             let x = _mm256_loadu_si256(a.qs.as_ptr().add(t * k + b * 32) as *const __m256i);
-            let s = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones);
+            let s = madd_u8(aw, _mm256_sign_epi8(x, w));
             let dx = _mm256_loadu_ps(a.d8.as_ptr().add((t * nb + b) * 8));
             *acc = _mm256_fmadd_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s), *acc);
         }
