@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+use crate::bench::median;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use tern::backend::cpu::CpuBackend;
@@ -36,11 +37,6 @@ impl Options {
             python,
         }
     }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn tern(o: &Options) -> Result<Value> {
