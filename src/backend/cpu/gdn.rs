@@ -759,30 +759,62 @@ mod tests {
         }
     }
 
+    /// A small core's parameters (two K heads, four V heads of 32: the tiled V order at work),
+    /// `n` rows of its inputs from `seed` on, and its weights.
+    struct Small {
+        p: GdnParams,
+        mixed: Tensor,
+        z: Tensor,
+        b: Tensor,
+        a: Tensor,
+        conv: Vec<f32>,
+        dt_bias: Vec<f32>,
+        ssm_a: Vec<f32>,
+        norm: Vec<f32>,
+    }
+
+    impl Small {
+        fn new(n: usize, seed: usize) -> Self {
+            let p = GdnParams {
+                n_k: 2,
+                n_v: 4,
+                d: 32,
+                d_conv: 4,
+                eps: 1e-6,
+            };
+            Small {
+                mixed: tensor(n, p.conv_dim(), seed),
+                z: tensor(n, p.n_v * p.d, seed + 1),
+                b: tensor(n, p.n_v, seed + 2),
+                a: tensor(n, p.n_v, seed + 3),
+                conv: tensor(p.d_conv, p.conv_dim(), seed + 4).data,
+                dt_bias: vec![0.3; p.n_v],
+                ssm_a: vec![-0.7; p.n_v],
+                norm: vec![1.1; p.d],
+                p,
+            }
+        }
+
+        fn weights(&self) -> Weights<'_> {
+            Weights {
+                conv_taps: &self.conv,
+                dt_bias: &self.dt_bias,
+                ssm_a: &self.ssm_a,
+                norm: &self.norm,
+            }
+        }
+    }
+
     /// Sequences batched together give what each gives alone: one-row sequences (whose conv
     /// state the conv tasks shift in place) beside a longer one and a one-row sequence with a
     /// cell (both through the copied conv states), in both orders, from distinct states.
     #[test]
     fn mixed_batch_matches_each_sequence_alone() {
-        let p = GdnParams {
-            n_k: 2,
-            n_v: 4,
-            d: 32,
-            d_conv: 4,
-            eps: 1e-6,
-        };
         let rows = [1, 5, 1, 1];
         let n: usize = rows.iter().sum();
-        let (mixed, z) = (tensor(n, p.conv_dim(), 11), tensor(n, p.n_v * p.d, 12));
-        let (b, a) = (tensor(n, p.n_v, 13), tensor(n, p.n_v, 14));
-        let conv = tensor(p.d_conv, p.conv_dim(), 15).data;
-        let (dt_bias, ssm_a, norm) = (vec![0.3; p.n_v], vec![-0.7; p.n_v], vec![1.1; p.d]);
-        let w = Weights {
-            conv_taps: &conv,
-            dt_bias: &dt_bias,
-            ssm_a: &ssm_a,
-            norm: &norm,
-        };
+        let c = Small::new(n, 11);
+        let (p, w) = (&c.p, c.weights());
+        let (mixed, z, b, a) = (&c.mixed, &c.z, &c.b, &c.a);
         let fresh = |seed: usize| Recurrent {
             conv: tensor(1, p.conv_state_len(), 20 + seed).data,
             ssm: tensor(1, p.ssm_state_len(), 30 + seed).data,
@@ -800,7 +832,7 @@ mod tests {
             let mut alone = Vec::new();
             for (i, st) in alone_st.iter_mut().enumerate() {
                 let g = |t: &Tensor| slice(t, starts[i], rows[i]);
-                let (m, zz, bb, aa) = (g(&mixed), g(&z), g(&b), g(&a));
+                let (m, zz, bb, aa) = (g(mixed), g(z), g(b), g(a));
                 alone.push(if i == 3 {
                     let cells = Some(&mut alone_cell[..]);
                     let mut seqs = [Seq {
@@ -808,9 +840,9 @@ mod tests {
                         state: st,
                         cells,
                     }];
-                    gdn_batch(&p, &m, &zz, &bb, &aa, &w, &mut seqs).data
+                    gdn_batch(p, &m, &zz, &bb, &aa, &w, &mut seqs).data
                 } else {
-                    gdn(&p, &m, &zz, &bb, &aa, &w, st).data
+                    gdn(p, &m, &zz, &bb, &aa, &w, st).data
                 });
             }
             // Together, in `order`: the inputs' rows laid out in that order.
@@ -825,7 +857,7 @@ mod tests {
                     cols: t.cols,
                 }
             };
-            let (m, zz, bb, aa) = (pick(&mixed), pick(&z), pick(&b), pick(&a));
+            let (m, zz, bb, aa) = (pick(mixed), pick(z), pick(b), pick(a));
             let mut st: Vec<Recurrent> = (0..4).map(fresh).collect();
             let mut cell = [fresh(9)];
             let mut by_seq: Vec<Option<&mut Recurrent>> = st.iter_mut().map(Some).collect();
@@ -838,7 +870,7 @@ mod tests {
                     cells: if i == 3 { cell_slot.take() } else { None },
                 })
                 .collect();
-            let y = gdn_batch(&p, &m, &zz, &bb, &aa, &w, &mut seqs).data;
+            let y = gdn_batch(p, &m, &zz, &bb, &aa, &w, &mut seqs).data;
             drop(seqs);
             let width = p.n_v * p.d;
             let mut at = 0;
@@ -861,30 +893,16 @@ mod tests {
     /// A batch longer than a chunk gives the outputs and state of feeding it token by token.
     #[test]
     fn batch_across_chunks_matches_token_by_token() {
-        let p = GdnParams {
-            n_k: 2,
-            n_v: 4,
-            d: 32,
-            d_conv: 4,
-            eps: 1e-6,
-        };
         let n = 2 * CHUNK + 37;
-        let (mixed, z) = (tensor(n, p.conv_dim(), 1), tensor(n, p.n_v * p.d, 2));
-        let (b, a) = (tensor(n, p.n_v, 3), tensor(n, p.n_v, 4));
-        let conv = tensor(p.d_conv, p.conv_dim(), 5).data;
-        let (dt_bias, ssm_a, norm) = (vec![0.3; p.n_v], vec![-0.7; p.n_v], vec![1.1; p.d]);
-        let w = Weights {
-            conv_taps: &conv,
-            dt_bias: &dt_bias,
-            ssm_a: &ssm_a,
-            norm: &norm,
-        };
+        let c = Small::new(n, 1);
+        let (p, w) = (&c.p, c.weights());
+        let (mixed, z, b, a) = (&c.mixed, &c.z, &c.b, &c.a);
         let fresh = || Recurrent {
             conv: vec![0.1; p.conv_state_len()],
             ssm: vec![0.01; p.ssm_state_len()],
         };
         let mut batch_st = fresh();
-        let batch = gdn(&p, &mixed, &z, &b, &a, &w, &mut batch_st);
+        let batch = gdn(p, mixed, z, b, a, &w, &mut batch_st);
         let mut step_st = fresh();
         let row = |t: &Tensor, i: usize| Tensor {
             data: t.row(i).to_vec(),
@@ -893,8 +911,8 @@ mod tests {
         };
         let mut steps = Vec::new();
         for i in 0..n {
-            let (m, zz, bb, aa) = (row(&mixed, i), row(&z, i), row(&b, i), row(&a, i));
-            steps.extend(gdn(&p, &m, &zz, &bb, &aa, &w, &mut step_st).data);
+            let (m, zz, bb, aa) = (row(mixed, i), row(z, i), row(b, i), row(a, i));
+            steps.extend(gdn(p, &m, &zz, &bb, &aa, &w, &mut step_st).data);
         }
         let nmse = crate::backend::nmse;
         assert!(
