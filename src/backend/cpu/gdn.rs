@@ -106,8 +106,9 @@ pub(super) fn gdn_batch(
     let mut convs: Vec<Conv<'_>> = Vec::with_capacity(seqs.len());
     let mut conv_new: Vec<Vec<Vec<f32>>> = Vec::with_capacity(seqs.len());
     for (i, s) in seqs.iter_mut().enumerate() {
-        if s.rows == 1 && s.cells.is_none() {
-            // A decode step's row: the conv tasks shift the state in place (`Conv::Shift`).
+        // A decode step's row: the conv tasks shift the state in place (`Conv::Shift`).
+        let in_place = s.rows == 1 && s.cells.is_none();
+        if in_place {
             conv_new.push(Vec::new());
         } else {
             // The conv states after each row that needs one (the cells' rows, then the last),
@@ -140,7 +141,7 @@ pub(super) fn gdn_batch(
                 .enumerate()
                 .map(|(j, bufs)| Task { seq: i, j, bufs }),
         );
-        convs.push(match conv_new[i].is_empty() {
+        convs.push(match in_place {
             true => Conv::Shift(by_head(&mut s.state.conv, d, cd / d)),
             false => Conv::Carried(&s.state.conv),
         });
@@ -286,11 +287,13 @@ fn conv_silu_norm(
         let (s, first, _, off) = parts[part_of[r]];
         let t = first + r - off;
         let cols = h * d..(h + 1) * d;
+        // A shifted state's sequence has one row: its raw input is X's last row.
+        let input = &mixed.row(starts[s])[cols.clone()];
         let x = |k: usize| -> &[f32] {
             match (carried[s], &shift) {
                 (Some(c), _) => &conv_input(p, c, mixed, starts[s], t + k)[cols.clone()],
                 (None, Some(sh)) if k < kw - 1 => sh[k],
-                (None, _) => &mixed.row(starts[s])[cols.clone()],
+                (None, _) => input,
             }
         };
         let tap = |k: usize| &taps[k * cd..(k + 1) * cd][cols.clone()];
@@ -309,7 +312,7 @@ fn conv_silu_norm(
                 done[k - 1].copy_from_slice(rest[0]);
             }
             if let Some(last) = sh.last_mut() {
-                last.copy_from_slice(&mixed.row(starts[s])[cols.clone()]);
+                last.copy_from_slice(input);
             }
         }
         math::silu_in_place(o);
