@@ -8,6 +8,7 @@ mod common;
 use std::path::Path;
 use std::sync::Arc;
 
+use tern::backend::cpu::CpuBackend;
 use tern::backend::{Backend, KvTypes};
 use tern::gguf::Gguf;
 use tern::model::Model;
@@ -71,7 +72,7 @@ static ONE: std::sync::Mutex<()> = std::sync::Mutex::new(());
 /// `mk` makes a fresh backend per case, so a pool measures that case alone.
 fn check<B: Backend + 'static>(
     mk: impl Fn() -> B,
-    kind: BackendKind,
+    (kind, cpu_exact): (BackendKind, bool),
     (fixture, adapters): (&str, &[&str]),
 ) where
     B::W: 'static,
@@ -102,6 +103,7 @@ fn check<B: Backend + 'static>(
             },
         };
         let mut shape = tern::plan::boot::shape_of(&cfg, kind, c.ubatch as u64).unwrap();
+        shape.cpu_exact = cpu_exact;
         let lora: Vec<_> = adapters
             .iter()
             .map(|a| path.parent().unwrap().join("lora").join(a))
@@ -132,7 +134,7 @@ fn check<B: Backend + 'static>(
 /// image `--image-max-tokens` allows within the vision compute projected for it. Each fixture
 /// projector (F32, F16, Q8_0) at two limits (64 and 150 tokens: 256 and 600 patches, an
 /// 8 x 8 and a 10 x 15 token grid).
-fn check_projector<B: Backend>(mk: impl Fn() -> B, kind: BackendKind) {
+fn check_projector<B: Backend>(mk: impl Fn() -> B, (kind, cpu_exact): (BackendKind, bool)) {
     use tern::model::vision::Projector;
     let _one = ONE.lock().unwrap_or_else(|e| e.into_inner());
     HEAP.mark_installed();
@@ -146,6 +148,7 @@ fn check_projector<B: Backend>(mk: impl Fn() -> B, kind: BackendKind) {
                 mmproj: Some(dir.join(file)),
                 image_max_tokens: Some(max_tokens),
                 backend: kind,
+                cpu_exact,
                 ..Default::default()
             };
             let ledger = Ledger::price(&g, &shape).unwrap();
@@ -196,7 +199,9 @@ fn check_projector<B: Backend>(mk: impl Fn() -> B, kind: BackendKind) {
 
 #[test]
 fn cpu_projector_allocates_what_was_projected() {
-    check_projector(common::cpu, BackendKind::Cpu);
+    check_projector(common::cpu, (BackendKind::Cpu, true));
+    // The serving path, which packs the Q8_0 projector's matrices.
+    check_projector(CpuBackend::int8, (BackendKind::Cpu, false));
 }
 
 #[test]
@@ -207,7 +212,7 @@ fn wgpu_projector_allocates_what_was_projected() {
     }
     check_projector(
         || tern::backend::wgpu::WgpuBackend::new().unwrap(),
-        BackendKind::Wgpu,
+        (BackendKind::Wgpu, false),
     );
 }
 
@@ -226,7 +231,7 @@ fn cuda_projector_allocates_what_was_projected() {
                 tern::backend::cuda::CudaBackend::new().unwrap()
             }
         },
-        BackendKind::Cuda,
+        (BackendKind::Cuda, false),
     );
 }
 
@@ -246,7 +251,10 @@ const FIXTURES: [(&str, &[&str]); 5] = [
 #[test]
 fn cpu_allocates_what_was_projected() {
     for f in FIXTURES {
-        check(common::cpu, BackendKind::Cpu, f);
+        check(common::cpu, (BackendKind::Cpu, true), f);
+        // The serving path: Q8_0 matrices packed once per tensor (the tied fixture's head
+        // shares the embedding table's copy).
+        check(CpuBackend::int8, (BackendKind::Cpu, false), f);
     }
 }
 
@@ -259,7 +267,7 @@ fn wgpu_allocates_what_was_projected() {
     for f in FIXTURES {
         check(
             || tern::backend::wgpu::WgpuBackend::new().unwrap(),
-            BackendKind::Wgpu,
+            (BackendKind::Wgpu, false),
             f,
         );
     }
@@ -282,7 +290,7 @@ fn cuda_allocates_what_was_projected() {
                     tern::backend::cuda::CudaBackend::new().unwrap()
                 }
             },
-            BackendKind::Cuda,
+            (BackendKind::Cuda, false),
             f,
         );
     }

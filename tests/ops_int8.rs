@@ -703,3 +703,37 @@ fn int8_model_pq2_0_near_exact() {
 fn int8_model_tied_q8_0_near_llama_cpp() {
     check_model("tiny-tied-q8_0.gguf");
 }
+
+/// The serving path packs Q8_0 matrices at load (`quant::packed`) where this CPU has the packed
+/// kernel; packed or read in place, a model computes the same bits: a prefill (the tiled
+/// product, its panels unpacked per task), token-by-token decode (one-row spans, the packed
+/// embedding table's rows unpacked), and three-token batches (the multi-row kernels). The tiny
+/// fixture's matrices are 128 and 256 wide, the demo model's 128 to 384, with an untied head.
+#[test]
+fn int8_packed_q8_0_computes_the_unpacked_bits() {
+    for file in ["tiny-q8_0.gguf", "demo/demo-q8_0.gguf"] {
+        let path = fixtures().join(file);
+        let run = |be: &CpuBackend| {
+            let t: Vec<u32> = (0..40u32).map(|i| (i * 37 + 5) % 120).collect();
+            let m = Model::open(be, &path).unwrap();
+            let mut out = Vec::new();
+            let mut st = m.new_state(be);
+            out.extend(be.to_host(&m.forward(be, &mut st, &t[..33], true).unwrap().logits));
+            for &tok in &t[33..36] {
+                out.extend(be.to_host(&m.forward(be, &mut st, &[tok], true).unwrap().logits));
+            }
+            out.extend(be.to_host(&m.forward(be, &mut st, &t[36..39], true).unwrap().logits));
+            out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+        };
+        let packed = run(&CpuBackend::int8());
+        let unpacked = run(&CpuBackend::int8_unpacked());
+        assert_eq!(packed.len(), unpacked.len());
+        let differ = packed.iter().zip(&unpacked).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            differ,
+            0,
+            "{file}: {differ} of {} logits differ",
+            packed.len()
+        );
+    }
+}

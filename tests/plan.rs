@@ -460,8 +460,24 @@ fn weights_match_the_real_files() {
     // the difference being the header (a 248,320-token vocabulary and its merges).
     // The stored bytes (the CPU reads them in place) are llama.cpp's figure; tern's f32 copies
     // of the small weights are a part of their own.
+    // The serving path holds its Q8_0 matrices (where the CPU packs them) as packed copies of
+    // the same bytes instead of the mapping's; the reference path (`--cpu-exact`) maps them all.
     let l = price(model_9b(), &shape(1, 4096, KvType::F16, KvType::F16));
-    let w = l.part(Term::Weights, "mapped").unwrap();
+    let exact = price(
+        model_9b(),
+        &Shape {
+            cpu_exact: true,
+            ..shape(1, 4096, KvType::F16, KvType::F16)
+        },
+    );
+    let packed = l.part(Term::Weights, "packed").unwrap_or(0);
+    assert_eq!(exact.part(Term::Weights, "packed"), None);
+    assert_eq!(
+        exact.part(Term::Weights, "mapped"),
+        Some(l.part(Term::Weights, "mapped").unwrap() + packed)
+    );
+    assert_eq!(exact.bytes(Term::Weights), l.bytes(Term::Weights));
+    let w = l.part(Term::Weights, "mapped").unwrap() + packed;
     let copies = l.part(Term::Weights, "allocated").unwrap();
     assert_eq!(l.bytes(Term::Weights), w + copies);
     assert!(copies < 16 * MIB, "small-weight copies {copies}");
@@ -535,9 +551,14 @@ fn prices_the_projector_weights_and_its_worst_case_encode() {
         "{}",
         small.table()
     );
-    // cpu: read in place from the mapping, plus the decoded small weights and the grid.
+    // cpu: read in place from the mapping (or packed, the same bytes: the serving path's Q8_0
+    // matrices), plus the decoded small weights and the grid.
     let l = price(model_9b(), &with(plan::BackendKind::Cpu, None));
-    assert_eq!(l.part(Term::Projector, "mapped"), Some(all - pos));
+    let packed = l.part(Term::Projector, "packed").unwrap_or(0);
+    assert_eq!(
+        l.part(Term::Projector, "mapped").map(|m| m + packed),
+        Some(all - pos)
+    );
     assert_eq!(l.part(Term::Projector, "position"), Some(pos));
     // The cpu heap's widest step: a layer's eight residual-wide rows and two MLP rows.
     let widest = 16_384 * (8 * 1152 + 2 * 4304) * 4;

@@ -210,12 +210,16 @@ pub struct GdnSeq<'a, Rs> {
 
 /// What a backend holds for one uploaded weight. `mapped` is the file's own bytes used in
 /// place (the CPU reads the mapping), counted once per tensor however many uses share it;
-/// `owned` is what the backend allocated (device copies, decoded f32 copies, sign tables).
+/// `owned` is what the backend allocated for this use alone (device copies, decoded f32
+/// copies, sign tables); `shared` is an allocation every use of the tensor shares (the CPU's
+/// packed Q8_0 rows, `quant::packed`: the tied output head and the draft head's first rows
+/// read the embedding table's one copy), counted once per tensor at its largest use.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct WeightBytes {
     pub tensor: String,
     pub mapped: u64,
     pub owned: u64,
+    pub shared: u64,
 }
 
 /// Takes the weights the model loader hands over: a backend uploads them, the planner prices
@@ -232,17 +236,27 @@ impl<B: Backend> Uploader for B {
     }
 }
 
-/// Sums `WeightBytes` with the mapped part counted once per tensor.
+/// Sums `WeightBytes` with the mapped part counted once per tensor, and the shared part once
+/// per tensor at its largest use.
 #[derive(Clone, Debug, Default)]
 pub struct WeightTally {
     seen: std::collections::BTreeSet<String>,
+    shared_by: std::collections::BTreeMap<String, u64>,
     pub mapped: u64,
     pub owned: u64,
+    pub shared: u64,
     pub count: usize,
 }
 
 impl WeightTally {
     pub fn add(&mut self, b: WeightBytes) {
+        if b.shared > 0 {
+            let s = self.shared_by.entry(b.tensor.clone()).or_default();
+            if b.shared > *s {
+                self.shared = self.shared - *s + b.shared;
+                *s = b.shared;
+            }
+        }
         if self.seen.insert(b.tensor) {
             self.mapped = self.mapped.saturating_add(b.mapped);
         }
@@ -250,7 +264,9 @@ impl WeightTally {
         self.count += 1;
     }
     pub fn total(&self) -> u64 {
-        self.mapped.saturating_add(self.owned)
+        self.mapped
+            .saturating_add(self.owned)
+            .saturating_add(self.shared)
     }
 }
 

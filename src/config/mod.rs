@@ -1087,6 +1087,7 @@ impl Settings {
             image_max_tokens: self.image_token_limits().1,
             lora: self.adapters().into_iter().map(|l| l.path).collect(),
             backend: self.backend_kind(),
+            cpu_exact: self.cpu_exact(),
             margin_mib: self.margin_mib.unwrap_or(d.margin_mib),
         }
     }

@@ -177,6 +177,30 @@ impl Gguf {
         &self.backing.bytes()[start..start + t.nbytes as usize]
     }
 
+    /// Tells the kernel this process has stopped reading `t`'s bytes through the map (the CPU
+    /// backend holds its own packed copy): its pages leave the resident set, staying in the
+    /// page cache, so a loaded model is not counted twice; a later read faults them back in.
+    /// Pages shared with a neighbouring tensor fault back the same way.
+    #[cfg(unix)]
+    pub fn release(&self, t: &TensorInfo) {
+        if let Backing::Mmap(m) = &*self.backing {
+            let start = (self.data_offset + t.offset) as usize;
+            // SAFETY: a read-only shared mapping of the file: a dropped page reads back from
+            // the file unchanged, so slices borrowed from it stay valid.
+            let _ = unsafe {
+                m.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    t.nbytes as usize,
+                )
+            };
+        }
+    }
+
+    /// Where madvise is not available, the pages stay mapped.
+    #[cfg(not(unix))]
+    pub fn release(&self, _t: &TensorInfo) {}
+
     /// The same file with its tensor table and data but no metadata: what a walk over the
     /// tensors needs as an `Arc<Gguf>` (the data stays shared, nothing is copied but the table).
     pub fn table_view(&self) -> Gguf {

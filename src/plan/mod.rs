@@ -215,6 +215,9 @@ pub struct Shape {
     /// LoRA adapter files (the FILE part of `--lora-scaled FILE:SCALE`).
     pub lora: Vec<PathBuf>,
     pub backend: BackendKind,
+    /// The CPU's f32 reference path (`--cpu-exact`), which keeps every weight in the mapping;
+    /// the serving path packs Q8_0 matrices (`quant::packed`).
+    pub cpu_exact: bool,
     /// MiB kept free on the device beyond the priced total.
     pub margin_mib: u64,
 }
@@ -238,6 +241,7 @@ impl Default for Shape {
             image_max_tokens: None,
             lora: Vec::new(),
             backend: BackendKind::Auto,
+            cpu_exact: false,
             margin_mib: DEFAULT_MARGIN_MIB,
         }
     }

@@ -142,7 +142,7 @@ impl Ledger {
             }
         }
         let geometry = geometry(g, cfg);
-        let mut lines = vec![weights(g, cfg, shape.backend, shape.drafting())?];
+        let mut lines = vec![weights(g, cfg, shape)?];
         lines.push(kv(&geometry, shape)?);
         if shape.drafting() {
             lines.push(draft_kv(&geometry, shape)?);
@@ -265,12 +265,16 @@ fn cuda_rule(w: &WeightSource) -> WeightBytes {
     crate::backend::gpu::planned_weight_bytes(w, crate::backend::gpu::cuda_alloc_rule())
 }
 
-/// The backend's rule for what one weight takes: the file's bytes in place on the CPU, device
-/// copies on a GPU, plus the decoded copies of small weights and the sign vectors of folded
-/// ones (a backend not yet chosen is priced as the CPU).
-fn weight_rule(backend: BackendKind) -> fn(&WeightSource) -> WeightBytes {
+/// The backend's rule for what one weight takes: the file's bytes in place on the CPU (its
+/// serving path's packed copies of Q8_0 matrices unless `cpu_exact`), device copies on a GPU,
+/// plus the decoded copies of small weights and the sign vectors of folded ones (a backend
+/// not yet chosen is priced as the CPU).
+fn weight_rule(backend: BackendKind, cpu_exact: bool) -> fn(&WeightSource) -> WeightBytes {
     match backend {
-        BackendKind::Cpu | BackendKind::Auto => crate::backend::cpu::planned_weight_bytes,
+        BackendKind::Cpu | BackendKind::Auto if cpu_exact => {
+            crate::backend::cpu::planned_weight_bytes
+        }
+        BackendKind::Cpu | BackendKind::Auto => crate::backend::cpu::planned_weight_bytes_serving,
         BackendKind::Wgpu => wgpu_rule,
         BackendKind::Cuda => cuda_rule,
     }
@@ -283,25 +287,28 @@ pub fn weight_tally(
     g: &Arc<Gguf>,
     cfg: &Config,
     backend: BackendKind,
+    cpu_exact: bool,
     drafting: bool,
 ) -> Result<WeightTally, PlanError> {
     let had = HadamardConfig::from_gguf(g)
         .map_err(crate::model::ModelError::from)?
         .map(Arc::new);
     let draft = crate::model::draft_vocab(cfg.n_vocab, drafting);
-    let priced = Weights::load(&Pricer(weight_rule(backend)), g, cfg, had.as_ref(), draft)?;
+    let priced = Weights::load(
+        &Pricer(weight_rule(backend, cpu_exact)),
+        g,
+        cfg,
+        had.as_ref(),
+        draft,
+    )?;
     let mut t = WeightTally::default();
     priced.each(|b| t.add(b.clone()));
     Ok(t)
 }
 
-fn weights(
-    g: &Arc<Gguf>,
-    cfg: &Config,
-    backend: BackendKind,
-    drafting: bool,
-) -> Result<Line, PlanError> {
-    let t = weight_tally(g, cfg, backend, drafting)?;
+fn weights(g: &Arc<Gguf>, cfg: &Config, shape: &Shape) -> Result<Line, PlanError> {
+    let backend = shape.backend;
+    let t = weight_tally(g, cfg, backend, shape.cpu_exact, shape.drafting())?;
     let mut by_type: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
     for t in g.tensors() {
         let e = by_type.entry(t.ty.name()).or_default();
@@ -320,7 +327,16 @@ fn weights(
         parts.push(("mapped from the file".to_string(), t.mapped));
     }
     parts.push(("allocated by the backend".to_string(), t.owned));
+    if t.shared > 0 {
+        parts.push((
+            "packed Q8_0 rows for the int8 kernels".to_string(),
+            t.shared,
+        ));
+    }
     let pricing = match backend {
+        BackendKind::Cpu | BackendKind::Auto if t.shared > 0 => {
+            "cpu: stored rows read in place, Q8_0 matrices packed once + f32 copies of small weights"
+        }
         BackendKind::Cpu | BackendKind::Auto => {
             "cpu: stored rows read in place + f32 copies of small weights"
         }
@@ -355,7 +371,7 @@ fn projector(p: &Path, cfg: &Config, shape: &Shape) -> Result<(Line, Line), Plan
             source,
         })
     })?;
-    let rule = Pricer(weight_rule(shape.backend));
+    let rule = Pricer(weight_rule(shape.backend, shape.cpu_exact));
     let (mut vcfg, priced) = vision::upload_weights(&rule, &file, cfg.n_embd).map_err(err)?;
     let limit = |t: Option<u64>| t.map(|t| usize::try_from(t).unwrap_or(usize::MAX));
     vcfg.set_token_limits(limit(shape.image_min_tokens), limit(shape.image_max_tokens))
@@ -369,6 +385,12 @@ fn projector(p: &Path, cfg: &Config, shape: &Shape) -> Result<(Line, Line), Plan
         parts.push(("mapped from the file".to_string(), t.mapped));
     }
     parts.push(("allocated by the backend".to_string(), t.owned));
+    if t.shared > 0 {
+        parts.push((
+            "packed Q8_0 rows for the int8 kernels".to_string(),
+            t.shared,
+        ));
+    }
     let host_grid = matches!(shape.backend, BackendKind::Cpu | BackendKind::Auto);
     if host_grid {
         parts.push((
@@ -420,7 +442,7 @@ fn lora(
     shape: &Shape,
 ) -> Result<(Line, compute::LoraLoad), PlanError> {
     use crate::model::lora::Site;
-    let rule = Pricer(weight_rule(shape.backend));
+    let rule = Pricer(weight_rule(shape.backend, shape.cpu_exact));
     let mut parts = Vec::new();
     let mut pairs = 0;
     let mut load = compute::LoraLoad::default();

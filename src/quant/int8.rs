@@ -661,6 +661,8 @@ pub struct Panel {
     pub(super) dw: Vec<f32>,
     /// One row's codes and scales in element order, before interleaving.
     scratch: (Vec<u8>, Vec<f32>),
+    /// A packed row unpacked to the stored layout, where the packed decoder does not apply.
+    stored: Vec<u8>,
 }
 
 impl Panel {
@@ -673,6 +675,26 @@ impl Panel {
     /// [`Panel::decode`] with the kernels of `isa` at most (the tests check that every path
     /// writes the same panel).
     pub fn decode_isa(&mut self, ty: GgmlType, w: &[u8], rows: usize, k: usize, isa: Isa) {
+        self.decode_rows(ty, w, rows, k, isa, false)
+    }
+
+    /// [`Panel::decode`] of `rows` Q8_0 rows of `k` in the serving path's packed layout
+    /// (`quant::packed`): the panel their stored rows give, gathered from the packed levels
+    /// (already biased) where every group of the tiling is whole, else row by row through the
+    /// stored layout.
+    pub fn decode_packed(&mut self, w: &[u8], rows: usize, k: usize) {
+        self.decode_rows(GgmlType::Q8_0, w, rows, k, Isa::Avx512Vnni, true)
+    }
+
+    fn decode_rows(
+        &mut self,
+        ty: GgmlType,
+        w: &[u8],
+        rows: usize,
+        k: usize,
+        isa: Isa,
+        packed: bool,
+    ) {
         assert!(supported(ty), "int8::Panel: no integer kernels for {ty}");
         let rb = ty.row_bytes(k as u64).expect("whole blocks") as usize;
         assert_eq!(w.len(), rb * rows, "int8::Panel: {rows} {ty} rows of {k}");
@@ -689,11 +711,23 @@ impl Panel {
         let (c, d) = &mut self.scratch;
         c.resize(k, 0);
         d.resize(nb, 0.0);
+        let stored = &mut self.stored;
         for ((row, codes), dw) in w
             .chunks_exact(rb)
             .zip(self.codes.chunks_exact_mut(gb))
             .zip(self.dw.chunks_exact_mut(gs))
         {
+            let row = if packed {
+                #[cfg(target_arch = "x86_64")]
+                if super::x86_int8::panel_row_packed(row, &tiling, codes, dw) {
+                    continue;
+                }
+                stored.resize(rb, 0);
+                super::packed::unpack_row(row, k, stored);
+                &stored[..]
+            } else {
+                row
+            };
             #[cfg(target_arch = "x86_64")]
             if super::x86_int8::panel_row(ty, row, &tiling, codes, dw, isa) {
                 continue;

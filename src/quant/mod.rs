@@ -9,6 +9,7 @@ mod arm_int8;
 mod fp;
 pub mod hadamard;
 pub mod int8;
+pub mod packed;
 mod pq2_0;
 mod ptq1_0;
 mod q4_0;

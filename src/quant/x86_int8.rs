@@ -20,6 +20,12 @@ pub(super) fn vnni() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
+/// What the packed Q8_0 kernel needs (`packed.rs`): VNNI, and VL for the scales' 256-bit
+/// permute.
+pub(super) fn vnni_vl() -> bool {
+    vnni() && is_x86_feature_detected!("avx512vl")
+}
+
 pub(super) fn vbmi() -> bool {
     vnni() && is_x86_feature_detected!("avx512vbmi")
 }
@@ -437,6 +443,95 @@ unsafe fn q8_0_vnni_rows<const R: usize, const N: usize>(
                 r += f16_scalar(blk.as_ptr()) * (a.d[t * nb + b] * s as f32);
             }
             out[j * N + i] = r;
+        }
+    }
+}
+
+/// [`packed::dot_span`](super::packed::dot_span)'s kernel: Q8_0 rows in the packed layout
+/// (`packed.rs`), `out[r * N + i]` = row r against token row t0 + i; four weight rows a pass
+/// when `N` > 1, as `q8_0_vnni_span`. A group's levels are the two vectors
+/// `q8_0_vnni_rows` builds with two inserts, two shuffles and two XORs per weight row, and
+/// its four scales widen with one permute: per (weight row, token row) pair the same five
+/// operations in the same order, so the same bits as the kernel on the file's rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn q8_0_packed_span<const N: usize>(
+    rows: &[u8],
+    rb: usize,
+    a: &QActs,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let one = |r: &[u8], o: &mut [f32]| {
+        for (o, row) in o.chunks_exact_mut(N).zip(r.chunks_exact(rb)) {
+            q8_0_packed_rows::<1, N>(row, rb, a, t0, o);
+        }
+    };
+    if N == 1 {
+        return one(rows, out);
+    }
+    let wide = |r: &[u8], o: &mut [f32]| {
+        for (o, rr) in o.chunks_exact_mut(4 * N).zip(r.chunks_exact(4 * rb)) {
+            q8_0_packed_rows::<4, N>(rr, rb, a, t0, o);
+        }
+    };
+    in_groups::<4>(rows, rb, N, out, wide, one)
+}
+
+/// `R` packed rows of `rb` bytes against `N` token rows (`q8_0_packed_span`). The prefetch
+/// cursor runs through the R rows' bytes in address order, as in `q8_0_vnni_rows`, and asks
+/// for both cache lines of each row's group.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+// i and j name a (token row, weight row) pair across three arrays (see q8_0_vnni_rows).
+#[allow(clippy::needless_range_loop)]
+unsafe fn q8_0_packed_rows<const R: usize, const N: usize>(
+    rows: &[u8],
+    rb: usize,
+    a: &QActs,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let ng = a.k / 128;
+    debug_assert_eq!(rb, ng * 136);
+    debug_assert_eq!(a.quads.len(), a.rows * ng * 128);
+    let p: [*const u8; R] = std::array::from_fn(|j| rows.as_ptr().add(j * rb));
+    let spread = _mm256_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    let mut acc = [[_mm512_setzero_ps(); N]; R];
+    for g in 0..ng {
+        let mut lo = [_mm512_setzero_si512(); R];
+        let mut hi = [_mm512_setzero_si512(); R];
+        let mut dw = [_mm512_setzero_ps(); R];
+        for j in 0..R {
+            let lv = p[j].add(g * 128);
+            for h in 0..2 {
+                if R == 1 {
+                    prefetch(lv.add(64 * h));
+                } else {
+                    prefetch_pass(p[0].add((g * R + j) * 136 + 64 * h));
+                }
+            }
+            lo[j] = _mm512_loadu_si512(lv as *const _);
+            hi[j] = _mm512_loadu_si512(lv.add(64) as *const _);
+            let sc = _mm_loadl_epi64(p[j].add(ng * 128 + g * 8) as *const __m128i);
+            dw[j] = _mm512_cvtph_ps(_mm256_permutexvar_epi16(spread, _mm256_castsi128_si256(sc)));
+        }
+        for i in 0..N {
+            let gg = (t0 + i) * ng + g;
+            let xq = a.quads.as_ptr().add(gg * 128);
+            let xlo = _mm512_loadu_si512(xq as *const _);
+            let xhi = _mm512_loadu_si512(xq.add(64) as *const _);
+            let dx = _mm512_loadu_ps(a.d4.as_ptr().add(gg * 16));
+            let o = _mm512_loadu_ps(a.o4.as_ptr().add(gg * 16));
+            for j in 0..R {
+                let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo);
+                let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s, hi[j], xhi));
+                acc[j][i] = _mm512_fmadd_ps(dw[j], _mm512_fmsub_ps(dx, s, o), acc[j][i]);
+            }
+        }
+    }
+    for j in 0..R {
+        for i in 0..N {
+            out[j * N + i] = _mm512_reduce_add_ps(acc[j][i]);
         }
     }
 }
@@ -1117,6 +1212,48 @@ fn group_mask(g: usize, nb: usize) -> __mmask16 {
 unsafe fn group_scales34(base: *const u8, k: __mmask16, off: __m512i, dw: *mut f32) {
     let s = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, off, base as _);
     _mm512_storeu_ps(dw, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(s)));
+}
+
+/// [`Panel::decode_packed`](super::int8::Panel::decode_packed)'s row: false unless the CPU has
+/// the packed kernel's features and every group of the tiling is whole (the narrow last group
+/// of a short row takes the stored layout).
+pub(super) fn panel_row_packed(row: &[u8], tl: &Tiling, codes: &mut [u8], dw: &mut [f32]) -> bool {
+    if !vnni_vl() || (0..tl.groups).any(|g| tl.width(g) < GROUP) {
+        return false;
+    }
+    debug_assert_eq!(row.len(), tl.nb * 34);
+    debug_assert_eq!(tl.nb % 4, 0);
+    // SAFETY: AVX-512 F, BW and VL checked above; `row` is one packed row of `nb` blocks and
+    // `codes` / `dw` whole groups of them.
+    unsafe { panel_row_q8_0_packed(row, tl, codes, dw) };
+    true
+}
+
+/// `panel_row_q8_0` on a packed row: lane l of a group gathers block l's four bytes from its
+/// place among the group's four 128-byte quads (the first 16 levels of a block in the quad's
+/// first 64 bytes, the last 16 in the second), already biased; the group's 16 scales are 32
+/// contiguous bytes after the row's levels.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn panel_row_q8_0_packed(row: &[u8], tl: &Tiling, codes: &mut [u8], dw: &mut [f32]) {
+    let lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    let off = _mm512_add_epi32(
+        _mm512_slli_epi32::<7>(_mm512_srli_epi32::<2>(lane)),
+        _mm512_slli_epi32::<4>(_mm512_and_si512(lane, _mm512_set1_epi32(3))),
+    );
+    let scales = row.as_ptr().add(tl.nb * 32);
+    for g in 0..tl.groups {
+        let k = group_mask(g, tl.nb);
+        let base = row.as_ptr().add(g * GROUP * 32);
+        let out = codes.as_mut_ptr().add(tl.group_at(g));
+        for j in 0..8 {
+            let at = 64 * (j / 4) + 4 * (j % 4);
+            let idx = _mm512_add_epi32(off, _mm512_set1_epi32(at as i32));
+            let v = _mm512_mask_i32gather_epi32::<1>(_mm512_setzero_si512(), k, idx, base as _);
+            _mm512_storeu_si512(out.add(64 * j) as *mut _, v);
+        }
+        let s = _mm256_maskz_loadu_epi16(k, scales.add(g * GROUP * 2) as *const _);
+        _mm512_storeu_ps(dw.as_mut_ptr().add(g * GROUP), _mm512_cvtph_ps(s));
+    }
 }
 
 #[target_feature(enable = "avx512f,avx512bw")]

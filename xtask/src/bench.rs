@@ -691,6 +691,39 @@ bench-0.8b decode shapes, 1 to 4 activation rows, ~1 MiB of rows in L2, GB/s"
                 gb / spans[2]
             );
         }
+        // The serving path's copy of a Q8_0 matrix, repacked at load (`quant::packed`): its
+        // span kernels for 1 to 4 activation rows (it has no per-row entry point).
+        if tern::quant::packed::packs(ty, cols) {
+            use tern::quant::packed;
+            let mut p = vec![0u8; m.len()];
+            packed::pack_rows(&m, cols, &mut p);
+            let spans: Vec<f64> = (1..=4)
+                .map(|n| {
+                    let mut out = vec![0f32; rows * n];
+                    let a = if n == 1 { &acts } else { &acts4 };
+                    best_cpu_s(|| {
+                        for _ in 0..10 {
+                            packed::dot_span(&p, a, 0, n, &mut out);
+                            std::hint::black_box(&out);
+                        }
+                    })
+                })
+                .collect();
+            let gb = 10.0 * m.len() as f64 / 1e9;
+            println!(
+                "{:<8} {:>6} {:>12} {:>10} {:>10.2} {:>7} {:>10} {:>8.2} {:>8.2} {:>8.2}",
+                ty.name(),
+                cols,
+                "packed",
+                "-",
+                gb / spans[0],
+                "-",
+                "-",
+                gb / spans[1],
+                gb / spans[2],
+                gb / spans[3]
+            );
+        }
     }
     Ok(())
 }

@@ -58,7 +58,8 @@ const USAGE: &str = "usage: cargo xtask <task>
                         kernels for 1 to 4 rows and the tiled int8 product (G MAC/s)
   bench --kernels --span
                         only the decode-shape table: one activation row at bench-0.8b's row
-                        widths, in L2, per row (dot_rows) and per span (dot_span), GB/s
+                        widths, in L2, per row (dot_rows) and per span (dot_span), GB/s;
+                        Q8_0 also as the serving path packs it (the packed row)
   bench --step [--decode N] [--rows R] [FILE...]
                         a one-row decode step's wall time split on the CPU serving path: matmul
                         ms per class of matrix (GDN/attention in and out, FFN, output head), the

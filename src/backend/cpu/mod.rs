@@ -1,6 +1,7 @@
 //! The CPU backend: plain loops, rayon across output rows, tokens and heads.
 //!
-//! Weights stay in the mmap in their stored dtype. On the f32 reference path (`CpuBackend::new`)
+//! Weights stay in the mmap in their stored dtype, except that the serving path repacks Q8_0
+//! matrices once at load for its VNNI kernels (`quant::packed`). On the f32 reference path (`CpuBackend::new`)
 //! one token's matvec streams each row through `quant::dot_row`, so a 2.7 GB quantized file
 //! decodes without an f32 copy of itself; several tokens go through `gemm`, which dequantizes a
 //! tile of rows at a time into per-thread scratch and multiplies it with every token row.
@@ -13,8 +14,9 @@
 //! products), `attention` and `gdn` the two mixer cores, `math` the vectorized exp and the
 //! activations built on it.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
 use rayon::prelude::*;
 
@@ -37,6 +39,11 @@ mod step;
 /// `serve`).
 pub struct CpuBackend {
     int8: bool,
+    /// Whether `upload` packs the matrices `quant::packed::packs` takes (the serving path).
+    pack: bool,
+    /// The packed copies made so far, by the address of the stored rows: a tensor used twice
+    /// (the tied output head, the draft head's first rows of it) shares one copy.
+    packed: Mutex<HashMap<usize, Weak<quant::packed::AlignedBytes>>>,
 }
 
 impl Default for CpuBackend {
@@ -46,18 +53,59 @@ impl Default for CpuBackend {
 }
 
 impl CpuBackend {
-    pub fn new() -> Self {
-        CpuBackend { int8: false }
+    fn with(int8: bool, pack: bool) -> Self {
+        CpuBackend {
+            int8,
+            pack,
+            packed: Mutex::new(HashMap::new()),
+        }
     }
 
-    /// The serving path: int8 activations against Q8_0, Q4_0, PQ2_0 and PTQ1_0 weights.
+    pub fn new() -> Self {
+        CpuBackend::with(false, false)
+    }
+
+    /// The serving path: int8 activations against Q8_0, Q4_0, PQ2_0 and PTQ1_0 weights, Q8_0
+    /// matrices packed at upload where the CPU has the packed kernel.
     pub fn int8() -> Self {
-        CpuBackend { int8: true }
+        CpuBackend::with(true, true)
+    }
+
+    /// `int8` with every weight read in place from the mapping, as stored: the same results
+    /// bit for bit (the tests and benches compare the two).
+    pub fn int8_unpacked() -> Self {
+        CpuBackend::with(true, false)
     }
 
     /// `int8` unless `exact`.
     pub fn with_exact(exact: bool) -> Self {
-        CpuBackend { int8: !exact }
+        CpuBackend::with(!exact, !exact)
+    }
+
+    /// The packed copy of `w`'s rows, made on its first use. A use that asks for fewer rows of
+    /// the same stored bytes (the draft head) reads the first rows of the longer copy; the
+    /// model loader takes the whole table first.
+    fn packed_rows(&self, w: &WeightSource) -> Arc<quant::packed::AlignedBytes> {
+        let (ne0, _) = w.shape2();
+        let bytes = w.bytes();
+        let key = bytes.as_ptr() as usize;
+        let mut map = self.packed.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(p) = map.get(&key).and_then(Weak::upgrade) {
+            if p.len() >= bytes.len() {
+                return p;
+            }
+        }
+        let mut p = quant::packed::AlignedBytes::zeroed(bytes.len());
+        let rb = quant::packed::row_bytes(ne0);
+        let rows_per_task = (INT8_TASK_BYTES / rb).max(1);
+        p.as_mut_slice()
+            .par_chunks_mut(rows_per_task * rb)
+            .zip(bytes.par_chunks(rows_per_task * rb))
+            .for_each(|(d, s)| quant::packed::pack_rows(s, ne0, d));
+        w.file.release(&w.info);
+        let p = Arc::new(p);
+        map.insert(key, Arc::downgrade(&p));
+        p
     }
 }
 
@@ -195,23 +243,30 @@ fn products_int8_rows(jobs: &mut [(&Weight, &quant::int8::QActs, &mut Tensor)]) 
         while let Some(&(j, r0, r1)) = tasks.get(next.fetch_add(1, Ordering::Relaxed)) {
             let (w, acts, dst) = (jobs[j].0, jobs[j].1, &jobs[j].2);
             let (n_tok, n_out) = (acts.rows(), w.rows);
+            let rows = &w.rows_bytes()[r0 * w.row_bytes..r1 * w.row_bytes];
             if n_tok == 1 {
                 // A decode step: the task's rows in one span kernel call, straight into `out`.
-                let rows = &w.src.bytes()[r0 * w.row_bytes..r1 * w.row_bytes];
                 // SAFETY: job j's output holds one row of `n_out` (checked above); this task
                 // alone writes its columns r0..r1.
                 let o = unsafe { std::slice::from_raw_parts_mut(dst.at(r0), r1 - r0) };
-                int8::dot_span(rows, acts, 0, o);
+                if w.packed.is_some() {
+                    quant::packed::dot_span(rows, acts, 0, 1, o);
+                } else {
+                    int8::dot_span(rows, acts, 0, o);
+                }
                 continue;
             }
             // A few streams' step or a verify batch: each weight row read once for up to
             // MAX_ROWS token rows, by one span kernel call per group, then the results laid out
             // token row by token row.
-            let rows = &w.src.bytes()[r0 * w.row_bytes..r1 * w.row_bytes];
             for t0 in (0..n_tok).step_by(MAX_ROWS) {
                 let n = MAX_ROWS.min(n_tok - t0);
                 o.resize((r1 - r0) * n, 0.0);
-                int8::dot_span_rows(rows, acts, t0, n, &mut o);
+                if w.packed.is_some() {
+                    quant::packed::dot_span(rows, acts, t0, n, &mut o);
+                } else {
+                    int8::dot_span_rows(rows, acts, t0, n, &mut o);
+                }
                 for (r, v) in (r0..r1).zip(o.chunks_exact(n)) {
                     for (i, &v) in v.iter().enumerate() {
                         // SAFETY: job j's output holds `n_tok` rows of `n_out` (checked above);
@@ -267,8 +322,12 @@ fn product_int8_tiled(w: &Weight, x: &[f32], out: &mut Tensor) {
             || (Panel::default(), Vec::new()),
             |(panel, buf), c| {
                 let (r0, r1) = (c * TILED_ROWS, ((c + 1) * TILED_ROWS).min(n_out));
-                let rows = &w.src.bytes()[r0 * w.row_bytes..r1 * w.row_bytes];
-                panel.decode(w.ty, rows, r1 - r0, k);
+                let rows = &w.rows_bytes()[r0 * w.row_bytes..r1 * w.row_bytes];
+                if w.packed.is_some() {
+                    panel.decode_packed(rows, r1 - r0, k);
+                } else {
+                    panel.decode(w.ty, rows, r1 - r0, k);
+                }
                 for t0 in (0..n_tok).step_by(TILED_TOKENS) {
                     let n = TILED_TOKENS.min(n_tok - t0);
                     buf.resize(n * (r1 - r0), 0.0);
@@ -312,6 +371,9 @@ impl Tensor {
 
 pub struct Weight {
     src: WeightSource,
+    /// The rows packed for the serving path's kernels (`quant::packed`), shared by every use
+    /// of the tensor; `rows * row_bytes` of it are this weight's.
+    packed: Option<Arc<quant::packed::AlignedBytes>>,
     ty: GgmlType,
     ne0: usize,
     rows: usize,
@@ -326,8 +388,22 @@ pub struct Weight {
 }
 
 impl Weight {
+    /// A stored row, read from the mapping (the f32 paths; a packed weight is only read by the
+    /// int8 paths, through `rows_bytes`).
     fn row_data(&self, r: usize) -> &[u8] {
+        debug_assert!(
+            self.packed.is_none(),
+            "stored row of packed {}",
+            self.src.name()
+        );
         &self.src.bytes()[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+    /// The rows the int8 kernels read: packed where `upload` packed them, else the mapping's.
+    fn rows_bytes(&self) -> &[u8] {
+        match &self.packed {
+            Some(p) => &p.as_slice()[..self.rows * self.row_bytes],
+            None => self.src.bytes(),
+        }
     }
     /// The decoded values of a small weight.
     pub fn dense(&self) -> &[f32] {
@@ -699,9 +775,21 @@ fn rope_apply(x: &mut [f32], table: &[f32]) {
     }
 }
 
-/// What `upload` holds for `w`: the stored rows read in place from the mapping, plus the f32
-/// copies of a small weight (and its transpose when it has several rows).
+/// What the f32 reference path's `upload` (`CpuBackend::new`) holds for `w`: the stored rows
+/// read in place from the mapping, plus the f32 copies of a small weight (and its transpose
+/// when it has several rows).
 pub fn planned_weight_bytes(w: &WeightSource) -> super::WeightBytes {
+    planned(w, false)
+}
+
+/// What the serving path's `upload` (`CpuBackend::int8`) holds for `w`: as
+/// `planned_weight_bytes`, except a matrix `quant::packed` takes, held as its packed copy
+/// (shared by the tensor's uses) instead of the mapping's bytes.
+pub fn planned_weight_bytes_serving(w: &WeightSource) -> super::WeightBytes {
+    planned(w, true)
+}
+
+fn planned(w: &WeightSource, pack: bool) -> super::WeightBytes {
     let (ne0, rows) = w.shape2();
     let f32s = (ne0 as u64).saturating_mul(rows as u64).saturating_mul(4);
     let owned = match (w.decode_once(), rows > 1) {
@@ -709,11 +797,18 @@ pub fn planned_weight_bytes(w: &WeightSource) -> super::WeightBytes {
         (true, false) => f32s,
         (true, true) => f32s.saturating_mul(2),
     };
+    let packed = pack && packs(w);
     super::WeightBytes {
         tensor: w.info.name.clone(),
-        mapped: w.info.nbytes,
+        mapped: if packed { 0 } else { w.info.nbytes },
         owned,
+        shared: if packed { w.info.nbytes } else { 0 },
     }
+}
+
+/// Whether the serving path packs `w`: a matrix (not decoded to f32) `quant::packed` takes.
+fn packs(w: &WeightSource) -> bool {
+    !w.decode_once() && quant::packed::packs(w.info.ty, w.shape2().0)
 }
 
 impl Backend for CpuBackend {
@@ -751,8 +846,10 @@ impl Backend for CpuBackend {
                 .flat_map(|i| (0..rows).map(move |r| d[r * ne0 + i]))
                 .collect()
         });
+        let packed = (self.pack && packs(w)).then(|| self.packed_rows(w));
         Ok(Weight {
             src: w.clone(),
+            packed,
             dense_t,
             ty,
             ne0,
@@ -770,10 +867,16 @@ impl Backend for CpuBackend {
 
     fn weight_bytes(&self, w: &Weight) -> super::WeightBytes {
         let f32s = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |d| d.len() as u64 * 4);
+        let packed = w.packed.as_ref().map_or(0, |p| p.len() as u64);
         super::WeightBytes {
             tensor: w.src.info.name.clone(),
-            mapped: w.src.bytes().len() as u64,
+            mapped: if packed > 0 {
+                0
+            } else {
+                w.src.bytes().len() as u64
+            },
             owned: f32s(&w.dense) + f32s(&w.dense_t),
+            shared: packed,
         }
     }
 
@@ -826,14 +929,23 @@ impl Backend for CpuBackend {
             .par_chunks_mut(table.ne0)
             .zip(ids.par_iter())
             .with_min_len(rows_per_task(table.ne0))
-            .for_each(|(row, &id)| {
+            .for_each_init(Vec::new, |stored, (row, &id)| {
                 assert!(
                     (id as usize) < table.rows,
                     "token id {id} outside the {} rows",
                     table.rows
                 );
-                quant::dequantize_row(table.ty, table.row_data(id as usize), row)
-                    .expect("row length validated at load");
+                let r = id as usize;
+                let bytes = match table.packed {
+                    Some(_) => {
+                        stored.resize(table.row_bytes, 0);
+                        let p = &table.rows_bytes()[r * table.row_bytes..][..table.row_bytes];
+                        quant::packed::unpack_row(p, table.ne0, stored);
+                        &stored[..]
+                    }
+                    None => table.row_data(r),
+                };
+                quant::dequantize_row(table.ty, bytes, row).expect("row length validated at load");
                 if let Some(h) = &table.inverse {
                     h.inverse_in_place(row);
                 }
@@ -1303,6 +1415,63 @@ fn gdn_weights<'a>(w: &'a GdnWeights<'_, Weight>) -> gdn::Weights<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Where the CPU has the packed Q8_0 kernel, the serving path packs a matrix once however
+    /// many weights use it (the tied head beside the embedding table, the draft head's first
+    /// rows), the planner prices that copy once at its largest use, and the f32 reference path
+    /// keeps reading the mapping.
+    #[test]
+    fn serving_path_packs_a_tensor_once_for_all_its_uses() {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-q8_0.gguf");
+        let g = Arc::new(crate::gguf::Gguf::open(&path).unwrap());
+        let info = g.tensor("token_embd.weight").unwrap().clone();
+        let src = WeightSource {
+            file: g.clone(),
+            info: info.clone(),
+            fold: None,
+            inverse: None,
+        };
+        let (ne0, rows) = src.shape2();
+        if !quant::packed::packs(GgmlType::Q8_0, ne0) {
+            eprintln!("this CPU has no packed kernel: nothing is packed");
+            return;
+        }
+        let mut head = src.clone();
+        head.info.nbytes = info.nbytes / rows as u64 * 10;
+        head.info.dims[1] = 10;
+        let be = CpuBackend::int8();
+        let (a, b, h) = (
+            be.upload(&src).unwrap(),
+            be.upload(&src).unwrap(),
+            be.upload(&head).unwrap(),
+        );
+        let (pa, pb, ph) = (
+            a.packed.as_ref().unwrap(),
+            b.packed.as_ref().unwrap(),
+            h.packed.as_ref().unwrap(),
+        );
+        assert!(Arc::ptr_eq(pa, pb) && Arc::ptr_eq(pa, ph));
+        assert_eq!(h.rows_bytes().len(), 10 * h.row_bytes);
+        let mut t = crate::backend::WeightTally::default();
+        let mut planned = crate::backend::WeightTally::default();
+        for (w, s) in [(&a, &src), (&b, &src), (&h, &head)] {
+            t.add(be.weight_bytes(w));
+            planned.add(planned_weight_bytes_serving(s));
+        }
+        // The head reports the copy it reads, the whole table's; the planner prices its own
+        // rows, and both tallies keep the largest.
+        assert_eq!(be.weight_bytes(&a), planned_weight_bytes_serving(&src));
+        assert_eq!(be.weight_bytes(&h).shared, info.nbytes);
+        assert_eq!(
+            (t.mapped, t.shared, t.total()),
+            (0, info.nbytes, info.nbytes)
+        );
+        assert_eq!(planned.total(), t.total());
+        // The reference path reads the file in place.
+        let exact = CpuBackend::new().upload(&src).unwrap();
+        assert!(exact.packed.is_none());
+        assert_eq!(planned_weight_bytes(&src).mapped, info.nbytes);
+    }
 
     /// The AVX-512 and AVX2 scans give the scalar pass's answer: the largest value and the
     /// first index holding it (ties, -0 beside +0, the maximum in a loop's tail), or no answer

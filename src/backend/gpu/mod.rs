@@ -400,6 +400,7 @@ pub fn planned_weight_bytes(w: &WeightSource, rule: AllocRule) -> WeightBytes {
         tensor: w.info.name.clone(),
         mapped: 0,
         owned,
+        shared: 0,
     }
 }
 
@@ -500,6 +501,7 @@ impl<D: Device> Backend for GpuBackend<D> {
                 + w.dense.as_ref().map_or(0, |m| dev.size(m))
                 + signs(&w.fold)
                 + signs(&w.inverse),
+            shared: 0,
         }
     }
 
