@@ -190,6 +190,10 @@ mod tests {
         *seed
     }
 
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|v| v.to_bits()).collect()
+    }
+
     /// Rows of random levels with scales of either sign between about 2^-9 and 2^-6.
     fn stored(rows: usize, k: usize, seed: &mut u64) -> Vec<u8> {
         let rb = row_bytes(k);
@@ -248,11 +252,7 @@ mod tests {
                     int8::dot_span_rows(&m, &a, t0, n, &mut want);
                     let mut got = vec![1f32; rows * n];
                     dot_span(p.as_slice(), &a, t0, n, &mut got);
-                    assert_eq!(
-                        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                        "k {k}, {n} token rows from {t0}"
-                    );
+                    assert_eq!(bits(&want), bits(&got), "k {k}, {n} token rows from {t0}");
                 }
             }
         }
@@ -277,11 +277,7 @@ mod tests {
             let (wc, wd) = want.contents();
             let (gc, gd) = got.contents();
             assert_eq!(wc, gc, "k {k}: codes");
-            assert_eq!(
-                wd.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                gd.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                "k {k}: scales"
-            );
+            assert_eq!(bits(wd), bits(gd), "k {k}: scales");
         }
     }
 

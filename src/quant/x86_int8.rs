@@ -285,6 +285,28 @@ unsafe fn q8_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut 
     q8_0_vnni_rows::<1, N>(row, row.len(), a, t0, out)
 }
 
+/// A Q8_0 span through `$rows::<R, N>`: one weight row a pass for one token row, else four
+/// while four remain (`in_groups`), then one at a time.
+macro_rules! q8_0_span_in_fours {
+    ($rows:ident, $n:ident, $r:expr, $rb:expr, $a:expr, $t0:expr, $out:expr) => {{
+        let (rb, a, t0) = ($rb, $a, $t0);
+        let one = |r: &[u8], o: &mut [f32]| {
+            for (o, row) in o.chunks_exact_mut($n).zip(r.chunks_exact(rb)) {
+                $rows::<1, $n>(row, rb, a, t0, o);
+            }
+        };
+        if $n == 1 {
+            return one($r, $out);
+        }
+        let wide = |r: &[u8], o: &mut [f32]| {
+            for (o, rr) in o.chunks_exact_mut(4 * $n).zip(r.chunks_exact(4 * rb)) {
+                $rows::<4, $n>(rr, rb, a, t0, o);
+            }
+        };
+        in_groups::<4>($r, rb, $n, $out, wide, one)
+    }};
+}
+
 /// Q8_0 over a span of rows: four weight rows a pass against the `N` token rows when `N` > 1,
 /// so that each token row's activations, scales and offsets are loaded once for the four (the
 /// loads, not the arithmetic, bounded the 2-4-row kernels that took one weight row a pass: 3
@@ -299,20 +321,41 @@ unsafe fn q8_0_vnni_span<const N: usize>(
     t0: usize,
     out: &mut [f32],
 ) {
-    let one = |r: &[u8], o: &mut [f32]| {
-        for (o, row) in o.chunks_exact_mut(N).zip(r.chunks_exact(rb)) {
-            q8_0_vnni_rows::<1, N>(row, rb, a, t0, o);
+    q8_0_span_in_fours!(q8_0_vnni_rows, N, rows, rb, a, t0, out)
+}
+
+/// The four-block step of the Q8_0 VNNI kernels, on the file's rows and on packed ones alike:
+/// each weight row's two level vectors (`lo`, `hi`: lanes 4c..4c + 4 hold block c's halves)
+/// and lane-wise scales `dw` against group `g` of the `N` token rows' quads (`QActs::quads`,
+/// `d4`, `o4`), added into `acc[j][i]`. Two `vpdpbusd` into the same lanes, one conversion and
+/// one scaled multiply-add per (weight row, token row) pair.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+#[inline]
+// i and j name a (token row, weight row) pair across four arrays (see q8_0_vnni_rows).
+#[allow(clippy::needless_range_loop)]
+unsafe fn q8_0_quad_step<const R: usize, const N: usize>(
+    lo: &[__m512i; R],
+    hi: &[__m512i; R],
+    dw: &[__m512; R],
+    a: &QActs,
+    t0: usize,
+    g: usize,
+    acc: &mut [[__m512; N]; R],
+) {
+    let ng = a.k / 128;
+    for i in 0..N {
+        let at = (t0 + i) * ng + g;
+        let xq = a.quads.as_ptr().add(at * 128);
+        let xlo = _mm512_loadu_si512(xq as *const _);
+        let xhi = _mm512_loadu_si512(xq.add(64) as *const _);
+        let dx = _mm512_loadu_ps(a.d4.as_ptr().add(at * 16));
+        let o = _mm512_loadu_ps(a.o4.as_ptr().add(at * 16));
+        for j in 0..R {
+            let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo);
+            let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s, hi[j], xhi));
+            acc[j][i] = _mm512_fmadd_ps(dw[j], _mm512_fmsub_ps(dx, s, o), acc[j][i]);
         }
-    };
-    if N == 1 {
-        return one(rows, out);
     }
-    let wide = |r: &[u8], o: &mut [f32]| {
-        for (o, rr) in o.chunks_exact_mut(4 * N).zip(r.chunks_exact(4 * rb)) {
-            q8_0_vnni_rows::<4, N>(rr, rb, a, t0, o);
-        }
-    };
-    in_groups::<4>(rows, rb, N, out, wide, one)
 }
 
 /// Q8_0, `R` weight rows of `rb` bytes (back to back in `rows`) against `N` token rows: four
@@ -379,20 +422,7 @@ unsafe fn q8_0_vnni_rows<const R: usize, const N: usize>(
             );
             dw[j] = _mm512_cvtph_ps(_mm512_castsi512_si256(sc));
         }
-        for i in 0..N {
-            let t = t0 + i;
-            let g = t * ng + b / 4;
-            let xq = a.quads.as_ptr().add(g * 128);
-            let xlo = _mm512_loadu_si512(xq as *const _);
-            let xhi = _mm512_loadu_si512(xq.add(64) as *const _);
-            let dx = _mm512_loadu_ps(a.d4.as_ptr().add(g * 16));
-            let o = _mm512_loadu_ps(a.o4.as_ptr().add(g * 16));
-            for j in 0..R {
-                let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo);
-                let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s, hi[j], xhi));
-                acc[j][i] = _mm512_fmadd_ps(dw[j], _mm512_fmsub_ps(dx, s, o), acc[j][i]);
-            }
-        }
+        q8_0_quad_step(&lo, &hi, &dw, a, t0, b / 4, &mut acc);
         b += 4;
     }
     while b + 2 <= nb {
@@ -461,20 +491,7 @@ pub(super) unsafe fn q8_0_packed_span<const N: usize>(
     t0: usize,
     out: &mut [f32],
 ) {
-    let one = |r: &[u8], o: &mut [f32]| {
-        for (o, row) in o.chunks_exact_mut(N).zip(r.chunks_exact(rb)) {
-            q8_0_packed_rows::<1, N>(row, rb, a, t0, o);
-        }
-    };
-    if N == 1 {
-        return one(rows, out);
-    }
-    let wide = |r: &[u8], o: &mut [f32]| {
-        for (o, rr) in o.chunks_exact_mut(4 * N).zip(r.chunks_exact(4 * rb)) {
-            q8_0_packed_rows::<4, N>(rr, rb, a, t0, o);
-        }
-    };
-    in_groups::<4>(rows, rb, N, out, wide, one)
+    q8_0_span_in_fours!(q8_0_packed_rows, N, rows, rb, a, t0, out)
 }
 
 /// `R` packed rows of `rb` bytes against `N` token rows (`q8_0_packed_span`). The prefetch
@@ -515,19 +532,7 @@ unsafe fn q8_0_packed_rows<const R: usize, const N: usize>(
             let sc = _mm_loadl_epi64(p[j].add(ng * 128 + g * 8) as *const __m128i);
             dw[j] = _mm512_cvtph_ps(_mm256_permutexvar_epi16(spread, _mm256_castsi128_si256(sc)));
         }
-        for i in 0..N {
-            let gg = (t0 + i) * ng + g;
-            let xq = a.quads.as_ptr().add(gg * 128);
-            let xlo = _mm512_loadu_si512(xq as *const _);
-            let xhi = _mm512_loadu_si512(xq.add(64) as *const _);
-            let dx = _mm512_loadu_ps(a.d4.as_ptr().add(gg * 16));
-            let o = _mm512_loadu_ps(a.o4.as_ptr().add(gg * 16));
-            for j in 0..R {
-                let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[j], xlo);
-                let s = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(s, hi[j], xhi));
-                acc[j][i] = _mm512_fmadd_ps(dw[j], _mm512_fmsub_ps(dx, s, o), acc[j][i]);
-            }
-        }
+        q8_0_quad_step(&lo, &hi, &dw, a, t0, g, &mut acc);
     }
     for j in 0..R {
         for i in 0..N {
