@@ -102,9 +102,11 @@ pub fn unpack_row(src: &[u8], k: usize, dst: &mut [u8]) {
     }
 }
 
-/// Bytes of a Q8_0 row of `k` columns, stored or packed.
-pub fn row_bytes(k: usize) -> usize {
-    k / 32 * 34
+/// Bytes of a Q8_0 row of `k` columns, stored or packed (the file's row length).
+fn row_bytes(k: usize) -> usize {
+    GgmlType::Q8_0
+        .row_bytes(k as u64)
+        .expect("packed rows are whole Q8_0 blocks") as usize
 }
 
 /// [`int8::dot_span_rows`](super::int8::dot_span_rows) on packed rows: `out[r * n + i]` = packed

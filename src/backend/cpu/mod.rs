@@ -96,7 +96,7 @@ impl CpuBackend {
             }
         }
         let mut p = quant::packed::AlignedBytes::zeroed(bytes.len());
-        let rb = quant::packed::row_bytes(ne0);
+        let rb = w.info.row_bytes() as usize;
         let rows_per_task = (INT8_TASK_BYTES / rb).max(1);
         p.as_mut_slice()
             .par_chunks_mut(rows_per_task * rb)
