@@ -460,8 +460,8 @@ fn weights_match_the_real_files() {
     // the difference being the header (a 248,320-token vocabulary and its merges).
     // The stored bytes (the CPU reads them in place) are llama.cpp's figure; tern's f32 copies
     // of the small weights are a part of their own.
-    // The serving path holds its Q8_0 matrices (where the CPU packs them) as packed copies of
-    // the same bytes instead of the mapping's; the reference path (`--cpu-exact`) maps them all.
+    // The serving path holds its Q8_0 and PQ2_0 matrices (where the CPU packs them) as packed
+    // copies of the same bytes instead of the mapping's; the reference path (`--cpu-exact`) maps them all.
     let l = price(model_9b(), &shape(1, 4096, KvType::F16, KvType::F16));
     let exact = price(
         model_9b(),
@@ -498,7 +498,7 @@ fn weights_match_the_real_files() {
     // 27B: the projection said 6,539 MiB of model on the device (token_embd stays on the host).
     let g = open(model_27b());
     let l = Ledger::price(&g, &shape(1, 4096, KvType::F16, KvType::F16)).unwrap();
-    let w = l.part(Term::Weights, "mapped").unwrap();
+    let w = l.part(Term::Weights, "mapped").unwrap() + l.part(Term::Weights, "packed").unwrap_or(0);
     let embd = g.tensor("token_embd.weight").unwrap().nbytes;
     assert_eq!(
         (w - embd) / MIB,

@@ -329,7 +329,7 @@ fn weights(g: &Arc<Gguf>, cfg: &Config, shape: &Shape) -> Result<Line, PlanError
     parts.push(("allocated by the backend".to_string(), t.owned));
     if t.shared > 0 {
         parts.push((
-            "packed Q8_0 rows for the int8 kernels".to_string(),
+            "packed Q8_0 / PQ2_0 rows for the int8 kernels".to_string(),
             t.shared,
         ));
     }
@@ -387,7 +387,7 @@ fn projector(p: &Path, cfg: &Config, shape: &Shape) -> Result<(Line, Line), Plan
     parts.push(("allocated by the backend".to_string(), t.owned));
     if t.shared > 0 {
         parts.push((
-            "packed Q8_0 rows for the int8 kernels".to_string(),
+            "packed Q8_0 / PQ2_0 rows for the int8 kernels".to_string(),
             t.shared,
         ));
     }

@@ -73,7 +73,9 @@ pub struct QActs {
     pub(super) o8: Vec<f32>,
     /// For Q8_0 on x86 (see [`quad_levels`]): each row's whole groups of four blocks with the
     /// first 16 levels of the four blocks, then their last 16; per group `d` and `o / 4` of
-    /// each block four times, the lanes its levels meet in that order.
+    /// each block four times, the lanes its levels meet in that order. For PQ2_0 where its
+    /// rows are packed (see [`pq2_quad_levels`]): the same per group of four 128-element
+    /// blocks, eight vectors of levels.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(super) quads: Vec<i8>,
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
@@ -155,6 +157,24 @@ fn quad_levels(q: &[i8], p: &mut [i8]) {
         for h in 0..2 {
             for c in 0..4 {
                 pg[64 * h + 16 * c..][..16].copy_from_slice(&g[32 * c + 16 * h..][..16]);
+            }
+        }
+    }
+}
+
+/// PQ2_0's levels for the packed kernel (`x86_int8::pq2_0_packed_span`), one group of four
+/// 128-element blocks (`q`, each block in the interleaved order of `qs`: `32s + m` holds element
+/// `4m + s`): vector `4h + s` of the group's eight holds, for each block `c`, the levels that
+/// plane `s` of its code bytes `16h..16h + 16` meet, at bytes `16c..16c + 16`. So the lanes
+/// 4c..4c + 4 of every `vpdpbusd` sum are block c's, as the packed rows put code bytes
+/// `16h..16h + 16` of block c at `64h + 16c` of the group (`packed.rs`).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn pq2_quad_levels(q: &[i8], p: &mut [i8]) {
+    for h in 0..2 {
+        for s in 0..4 {
+            for c in 0..4 {
+                p[64 * (4 * h + s) + 16 * c..][..16]
+                    .copy_from_slice(&q[128 * c + 32 * s + 16 * h..][..16]);
             }
         }
     }
@@ -247,6 +267,16 @@ impl QActs {
             }
             a.d4 = lanes::<4>(&a.d, nbr, 4 * ng, 1.0);
             a.o4 = lanes::<4>(&a.o, nbr, 4 * ng, 4.0);
+        }
+        // Only the packed PQ2_0 kernel reads them (`x86_int8::pq2_0_packed_span`).
+        #[cfg(target_arch = "x86_64")]
+        if super::packed::packs(ty, k) && ty == GgmlType::PQ2_0 {
+            a.quads = vec![0; x.len()];
+            for (q, p) in a.qs.chunks_exact(512).zip(a.quads.chunks_exact_mut(512)) {
+                pq2_quad_levels(q, p);
+            }
+            a.d4 = lanes::<4>(&a.d, nbr, nbr, 1.0);
+            a.o4 = lanes::<4>(&a.o, nbr, nbr, 4.0);
         }
         if interleave {
             a.pairs = vec![0; x.len()];
@@ -682,8 +712,8 @@ impl Panel {
     /// (`quant::packed`): the panel their stored rows give, gathered from the packed levels
     /// (already biased) where every group of the tiling is whole, else row by row through the
     /// stored layout.
-    pub fn decode_packed(&mut self, w: &[u8], rows: usize, k: usize) {
-        self.decode_rows(GgmlType::Q8_0, w, rows, k, Isa::Avx512Vnni, true)
+    pub fn decode_packed(&mut self, ty: GgmlType, w: &[u8], rows: usize, k: usize) {
+        self.decode_rows(ty, w, rows, k, Isa::Avx512Vnni, true)
     }
 
     fn decode_rows(
@@ -719,11 +749,13 @@ impl Panel {
         {
             let row = if packed {
                 #[cfg(target_arch = "x86_64")]
-                if super::x86_int8::panel_row_packed(row, &tiling, codes, dw) {
+                if ty == GgmlType::Q8_0
+                    && super::x86_int8::panel_row_packed(row, &tiling, codes, dw)
+                {
                     continue;
                 }
                 stored.resize(rb, 0);
-                super::packed::unpack_row(row, k, stored);
+                super::packed::unpack_row(ty, row, k, stored);
                 &stored[..]
             } else {
                 row

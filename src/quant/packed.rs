@@ -1,4 +1,4 @@
-//! Q8_0 matrices repacked once at load for the serving path's VNNI row kernels.
+//! Q8_0 and PQ2_0 matrices repacked once at load for the serving path's VNNI row kernels.
 //!
 //! A stored Q8_0 row is 34-byte blocks (an f16 scale, then 32 levels), so the AVX-512 kernel
 //! (`x86_int8::q8_0_vnni_rows`) assembles each group of four blocks from four unaligned
@@ -17,19 +17,56 @@
 //! the same order as the kernel on the stored rows, so the results are the same bits; only
 //! matrices whose width is a whole number of 128-column groups are packed (every matrix of the
 //! Qwen3.5 sizes), on CPUs with that kernel ([`packs`]).
+//!
+//! PQ2_0 blocks have the same shape (an f16 scale, then 32 code bytes of four 2-bit codes, 128
+//! columns), and pack by the same byte permutation without the bias: per group of four blocks
+//! (512 columns) code bytes 0..16 of each block, then bytes 16..32 of each. The stored rows'
+//! kernel (`x86_int8::pq2_0_span_body`) takes blocks in pairs, so every (weight row, token row)
+//! pair pays a conversion and a scaled multiply-add per two blocks; on the packed rows each of
+//! a group's eight code planes meets a vector of activations laid out to match
+//! (`int8::pq2_quad_levels`) with every i32 lane inside one block, and those operations cover
+//! four blocks. That changes the order of the f32 sums against the stored rows' kernel (not the
+//! precision), so PQ2_0's packed results are not the stored kernel's bits; they are the same
+//! bits for a token row whatever rows run beside it. Single-threaded in L2 (`bench --kernels
+//! --span`, three runs): one token row 7.4-11.7 -> 10.4-19.1 GB/s at 1,024 columns, three
+//! token rows 4.0-7.4 -> 5.4-9.1; at 2,048, three rows 6.3-8.6 -> 7.7-10.5. A decode step of
+//! bench-0.8b PQ2_0 (an ignored probe alternating the packed and unpacked backends in one
+//! process, medians of 60 steps each, two runs): one stream 17.57 / 18.73 -> 16.78 / 17.50 ms,
+//! three streams 28.26 / 31.42 -> 25.93 / 28.85 ms.
 
 use super::int8::{QActs, MAX_ROWS};
 use crate::tensor::GgmlType;
 
-/// Columns per packed group (four Q8_0 blocks).
-const GROUP: usize = 128;
+/// Stored blocks per packed group: four 34-byte blocks (an f16 scale, then 32 payload bytes)
+/// make 128 payload bytes and four scales.
+const BLOCKS: usize = 4;
 
-/// Whether the serving path packs a `ty` matrix of `k` columns: Q8_0, whole groups, and a CPU
-/// with the packed kernel.
+/// Columns per packed group of `ty`: four Q8_0 blocks of 32, or four PQ2_0 blocks of 128.
+fn group_cols(ty: GgmlType) -> usize {
+    match ty {
+        GgmlType::Q8_0 => 128,
+        _ => 512,
+    }
+}
+
+/// What each payload byte is XORed with: Q8_0's levels biased to `vpdpbusd`'s unsigned
+/// operand; PQ2_0's code bytes (unsigned already) as they are.
+fn bias(ty: GgmlType) -> u8 {
+    match ty {
+        GgmlType::Q8_0 => 0x80,
+        _ => 0,
+    }
+}
+
+/// Whether the serving path packs a `ty` matrix of `k` columns: Q8_0 or PQ2_0, whole groups,
+/// and a CPU with the packed kernels.
 pub fn packs(ty: GgmlType, k: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        ty == GgmlType::Q8_0 && k > 0 && k.is_multiple_of(GROUP) && super::x86_int8::vnni_vl()
+        matches!(ty, GgmlType::Q8_0 | GgmlType::PQ2_0)
+            && k > 0
+            && k.is_multiple_of(group_cols(ty))
+            && super::x86_int8::vnni_vl()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -38,86 +75,71 @@ pub fn packs(ty: GgmlType, k: usize) -> bool {
     }
 }
 
-/// Packs stored Q8_0 rows of `k` columns (`src`, whole rows) into `dst` (the same length).
-pub fn pack_rows(src: &[u8], k: usize, dst: &mut [u8]) {
-    let rb = row_bytes(k);
+/// Packs stored `ty` rows of `k` columns (`src`, whole rows) into `dst` (the same length).
+pub fn pack_rows(ty: GgmlType, src: &[u8], k: usize, dst: &mut [u8]) {
+    let rb = row_bytes(ty, k);
     assert!(
-        k.is_multiple_of(GROUP) && src.len() == dst.len() && src.len().is_multiple_of(rb),
-        "packed::pack_rows: {} bytes into {} for rows of {k}",
+        k.is_multiple_of(group_cols(ty)) && src.len() == dst.len() && src.len().is_multiple_of(rb),
+        "packed::pack_rows: {} bytes into {} for {ty} rows of {k}",
         src.len(),
         dst.len()
     );
-    let ng = k / GROUP;
     for (s, d) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(rb)) {
-        let (levels, scales) = d.split_at_mut(ng * GROUP);
-        for (g, (lv, sc)) in levels
-            .chunks_exact_mut(GROUP)
-            .zip(scales.chunks_exact_mut(8))
-            .enumerate()
-        {
-            for c in 0..4 {
-                let blk = &s[(4 * g + c) * 34..][..34];
-                sc[2 * c..2 * c + 2].copy_from_slice(&blk[..2]);
-                for h in 0..2 {
-                    for (o, &w) in lv[64 * h + 16 * c..][..16]
-                        .iter_mut()
-                        .zip(&blk[2 + 16 * h..][..16])
-                    {
-                        *o = w ^ 0x80;
-                    }
-                }
-            }
-        }
+        permute_row(ty, s, d, true);
     }
 }
 
-/// The stored Q8_0 row of `k` columns that `src` (one packed row) was packed from.
-pub fn unpack_row(src: &[u8], k: usize, dst: &mut [u8]) {
-    let rb = row_bytes(k);
+/// The stored `ty` row of `k` columns that `src` (one packed row) was packed from.
+pub fn unpack_row(ty: GgmlType, src: &[u8], k: usize, dst: &mut [u8]) {
+    let rb = row_bytes(ty, k);
     assert!(
-        k.is_multiple_of(GROUP) && src.len() == rb && dst.len() == rb,
-        "packed::unpack_row: {} bytes into {} for a row of {k}",
+        k.is_multiple_of(group_cols(ty)) && src.len() == rb && dst.len() == rb,
+        "packed::unpack_row: {} bytes into {} for a {ty} row of {k}",
         src.len(),
         dst.len()
     );
-    let ng = k / GROUP;
-    let (levels, scales) = src.split_at(ng * GROUP);
-    for (g, (lv, sc)) in levels
-        .chunks_exact(GROUP)
-        .zip(scales.chunks_exact(8))
-        .enumerate()
-    {
-        for c in 0..4 {
-            let blk = &mut dst[(4 * g + c) * 34..][..34];
-            blk[..2].copy_from_slice(&sc[2 * c..2 * c + 2]);
+    permute_row(ty, src, dst, false);
+}
+
+/// One row between the stored layout (`a` when `pack`, else `b`) and the packed one: per group
+/// of four blocks, payload bytes `16h..16h + 16` of block `c` at `64h + 16c` of the group's 128,
+/// the scales at the row's end, four f16 a group.
+fn permute_row(ty: GgmlType, a: &[u8], b: &mut [u8], pack: bool) {
+    let (x, ng) = (bias(ty), a.len() / (34 * BLOCKS));
+    for g in 0..ng {
+        for c in 0..BLOCKS {
+            let blk = (BLOCKS * g + c) * 34;
+            let sc = ng * 128 + g * 8 + 2 * c;
             for h in 0..2 {
-                for (o, &w) in blk[2 + 16 * h..][..16]
-                    .iter_mut()
-                    .zip(&lv[64 * h + 16 * c..][..16])
-                {
-                    *o = w ^ 0x80;
+                let (st, pk) = (blk + 2 + 16 * h, 128 * g + 64 * h + 16 * c);
+                let (from, to) = if pack { (st, pk) } else { (pk, st) };
+                for (o, &w) in b[to..to + 16].iter_mut().zip(&a[from..from + 16]) {
+                    *o = w ^ x;
                 }
             }
+            let (from, to) = if pack { (blk, sc) } else { (sc, blk) };
+            b[to..to + 2].copy_from_slice(&a[from..from + 2]);
         }
     }
 }
 
-/// Bytes of a Q8_0 row of `k` columns, stored or packed (the file's row length).
-fn row_bytes(k: usize) -> usize {
-    GgmlType::Q8_0
-        .row_bytes(k as u64)
-        .expect("packed rows are whole Q8_0 blocks") as usize
+/// Bytes of a `ty` row of `k` columns, stored or packed (the file's row length).
+fn row_bytes(ty: GgmlType, k: usize) -> usize {
+    ty.row_bytes(k as u64)
+        .expect("packed rows are whole blocks") as usize
 }
 
 /// [`int8::dot_span_rows`](super::int8::dot_span_rows) on packed rows: `out[r * n + i]` = packed
-/// row r of `rows` against activation row `t0 + i`, for `n` (1 to [`MAX_ROWS`]) rows; the same
-/// bits as `dot_span_rows` on the rows before packing. Only where [`packs`] is true.
+/// row r of `rows` against activation row `t0 + i`, for `n` (1 to [`MAX_ROWS`]) rows. For Q8_0
+/// the same bits as `dot_span_rows` on the rows before packing; PQ2_0's four-block step scales
+/// the integer sums four blocks at a time where the stored rows' kernel does two, so its sums
+/// round differently (to f32's precision), the same bits whatever `n` and `t0`. Only where
+/// [`packs`] is true.
 pub fn dot_span(rows: &[u8], acts: &QActs, t0: usize, n: usize, out: &mut [f32]) {
-    let k = acts.k;
+    let (ty, k) = (acts.ty, acts.k);
     assert!(
-        packs(acts.ty, k),
-        "packed::dot_span: no packed kernel for {} rows of {k} on this CPU",
-        acts.ty
+        packs(ty, k),
+        "packed::dot_span: no packed kernel for {ty} rows of {k} on this CPU"
     );
     assert!(
         (1..=MAX_ROWS).contains(&n) && t0 + n <= acts.rows(),
@@ -125,7 +147,7 @@ pub fn dot_span(rows: &[u8], acts: &QActs, t0: usize, n: usize, out: &mut [f32])
         t0 + n,
         acts.rows()
     );
-    let rb = row_bytes(k);
+    let rb = row_bytes(ty, k);
     assert_eq!(
         rows.len() * n,
         rb * out.len(),
@@ -136,12 +158,16 @@ pub fn dot_span(rows: &[u8], acts: &QActs, t0: usize, n: usize, out: &mut [f32])
     #[cfg(target_arch = "x86_64")]
     // SAFETY: `packs` checked the CPU's features; the shapes are checked above.
     unsafe {
-        use super::x86_int8::q8_0_packed_span as span;
-        match n {
-            1 => span::<1>(rows, rb, acts, t0, out),
-            2 => span::<2>(rows, rb, acts, t0, out),
-            3 => span::<3>(rows, rb, acts, t0, out),
-            _ => span::<4>(rows, rb, acts, t0, out),
+        use super::x86_int8::{pq2_0_packed_span as pq2, q8_0_packed_span as q8};
+        match (ty, n) {
+            (GgmlType::Q8_0, 1) => q8::<1>(rows, rb, acts, t0, out),
+            (GgmlType::Q8_0, 2) => q8::<2>(rows, rb, acts, t0, out),
+            (GgmlType::Q8_0, 3) => q8::<3>(rows, rb, acts, t0, out),
+            (GgmlType::Q8_0, _) => q8::<4>(rows, rb, acts, t0, out),
+            (_, 1) => pq2::<1>(rows, rb, acts, t0, out),
+            (_, 2) => pq2::<2>(rows, rb, acts, t0, out),
+            (_, 3) => pq2::<3>(rows, rb, acts, t0, out),
+            (_, _) => pq2::<4>(rows, rb, acts, t0, out),
         }
     }
 }
@@ -196,9 +222,10 @@ mod tests {
         v.iter().map(|v| v.to_bits()).collect()
     }
 
-    /// Rows of random levels with scales of either sign between about 2^-9 and 2^-6.
-    fn stored(rows: usize, k: usize, seed: &mut u64) -> Vec<u8> {
-        let rb = row_bytes(k);
+    /// Rows of random payload bytes with scales of either sign between about 2^-9 and 2^-6
+    /// (both types' blocks are an f16 scale and 32 bytes).
+    fn stored(ty: GgmlType, rows: usize, k: usize, seed: &mut u64) -> Vec<u8> {
+        let rb = row_bytes(ty, k);
         let mut m = vec![0u8; rows * rb];
         for (i, b) in m.iter_mut().enumerate() {
             *b = match i % rb % 34 {
@@ -209,29 +236,40 @@ mod tests {
         m
     }
 
+    fn acts(ty: GgmlType, rows: usize, k: usize, seed: &mut u64) -> QActs {
+        let x: Vec<f32> = (0..rows * k)
+            .map(|_| (rnd(seed) % 2001) as f32 / 1000.0 - 1.0)
+            .collect();
+        QActs::quantize(ty, &x, k)
+    }
+
     #[test]
     fn unpack_inverts_pack() {
         let mut s = 3u64;
-        for k in [128, 384, 1024] {
-            let m = stored(5, k, &mut s);
+        for (ty, k) in [
+            (GgmlType::Q8_0, 128),
+            (GgmlType::Q8_0, 384),
+            (GgmlType::Q8_0, 1024),
+            (GgmlType::PQ2_0, 512),
+            (GgmlType::PQ2_0, 1536),
+            (GgmlType::PQ2_0, 3584),
+        ] {
+            let rb = row_bytes(ty, k);
+            let m = stored(ty, 5, k, &mut s);
             let mut p = vec![0u8; m.len()];
-            pack_rows(&m, k, &mut p);
+            pack_rows(ty, &m, k, &mut p);
             assert_ne!(p, m);
-            let mut back = vec![0u8; row_bytes(k)];
-            for (r, row) in p.chunks_exact(row_bytes(k)).enumerate() {
-                unpack_row(row, k, &mut back);
-                assert_eq!(
-                    back,
-                    m[r * row_bytes(k)..(r + 1) * row_bytes(k)],
-                    "k {k} row {r}"
-                );
+            let mut back = vec![0u8; rb];
+            for (r, row) in p.chunks_exact(rb).enumerate() {
+                unpack_row(ty, row, k, &mut back);
+                assert_eq!(back, m[r * rb..(r + 1) * rb], "{ty} k {k} row {r}");
             }
         }
     }
 
-    /// Packed rows give `dot_span_rows`' bits on the stored rows, for 1 to 4 token rows from
-    /// any first row, over spans that leave a remainder after the four-row passes (37 rows)
-    /// and widths of one group, an odd number of groups and bench-0.8b's widths.
+    /// Packed Q8_0 rows give `dot_span_rows`' bits on the stored rows, for 1 to 4 token rows
+    /// from any first row, over spans that leave a remainder after the four-row passes (37
+    /// rows) and widths of one group, an odd number of groups and bench-0.8b's widths.
     #[test]
     fn packed_kernel_matches_stored_rows_bit_for_bit() {
         let mut s = 7u64;
@@ -241,13 +279,10 @@ mod tests {
                 return;
             }
             let rows = 37;
-            let m = stored(rows, k, &mut s);
+            let m = stored(GgmlType::Q8_0, rows, k, &mut s);
             let mut p = AlignedBytes::zeroed(m.len());
-            pack_rows(&m, k, p.as_mut_slice());
-            let x: Vec<f32> = (0..6 * k)
-                .map(|_| (rnd(&mut s) % 2001) as f32 / 1000.0 - 1.0)
-                .collect();
-            let a = QActs::quantize(GgmlType::Q8_0, &x, k);
+            pack_rows(GgmlType::Q8_0, &m, k, p.as_mut_slice());
+            let a = acts(GgmlType::Q8_0, 6, k, &mut s);
             for n in 1..=4 {
                 for t0 in [0, 6 - n] {
                     let mut want = vec![0f32; rows * n];
@@ -260,34 +295,101 @@ mod tests {
         }
     }
 
-    /// The tiled product's panel decoded from packed rows is the panel of the stored rows:
-    /// whole groups of 16 blocks (1,024 and 3,584 columns), a last group holding 12 blocks
-    /// (384 and 896: its lanes masked), and narrow last groups that take the stored layout
-    /// (128 and 2,176 columns: 4 blocks left over).
+    /// Packed PQ2_0 rows against the exact sums: per block the integer `Σ code · q` of the
+    /// stored codes and the activations' levels, scaled in f64, `Σ_b w_b (x_b S_b - o_b)`. The
+    /// kernel's f32 scaling and lane sums may round each term and the running sums (k / 512
+    /// groups, then 16 lanes), so the bound is 1e-5 of the sum of the terms' magnitudes. And
+    /// a token row's result is the same bits whether it runs alone or with 1 to 3 others,
+    /// from any first row (37 rows: the two-row passes leave one).
+    #[test]
+    fn packed_pq2_0_kernel_gives_the_exact_sums_and_the_same_bits_for_any_rows() {
+        let mut s = 11u64;
+        let ty = GgmlType::PQ2_0;
+        for k in [512, 1024, 1536, 3584] {
+            if !packs(ty, k) {
+                eprintln!("this CPU has no packed kernel: nothing to compare");
+                return;
+            }
+            let (rows, rb, nb) = (37, row_bytes(ty, k), k / 128);
+            let m = stored(ty, rows, k, &mut s);
+            let mut p = AlignedBytes::zeroed(m.len());
+            pack_rows(ty, &m, k, p.as_mut_slice());
+            let a = acts(ty, 6, k, &mut s);
+            let (qs, d, o) = a.contents();
+            for t in 0..6 {
+                let mut alone = vec![0f32; rows];
+                dot_span(p.as_slice(), &a, t, 1, &mut alone);
+                for (r, &got) in alone.iter().enumerate() {
+                    let (mut want, mut mag) = (0f64, 0f64);
+                    for b in 0..nb {
+                        let blk = &m[r * rb + b * 34..][..34];
+                        let w = crate::quant::fp::le_f16(blk, 0) as f64;
+                        let q = &qs[t * k + b * 128..][..128];
+                        // Element 4m + s is code s of byte m; `qs` holds it at 32s + m.
+                        let sum: i64 = (0..32)
+                            .flat_map(|m| (0..4).map(move |s| (m, s)))
+                            .map(|(m, s)| {
+                                ((blk[2 + m] >> (2 * s)) & 3) as i64 * q[32 * s + m] as i64
+                            })
+                            .sum();
+                        let (x, ob) = (d[t * nb + b] as f64, o[t * nb + b] as f64);
+                        want += w * (x * sum as f64 - ob);
+                        mag += w.abs() * ((x * sum as f64).abs() + ob.abs());
+                    }
+                    assert!(
+                        (got as f64 - want).abs() <= 1e-5 * mag + 1e-30,
+                        "k {k} row {r} token {t}: {got} against {want} (terms {mag})"
+                    );
+                }
+                for n in 1..=4usize {
+                    let t0 = t.saturating_sub(n - 1).min(6 - n);
+                    let mut got = vec![1f32; rows * n];
+                    dot_span(p.as_slice(), &a, t0, n, &mut got);
+                    let mine: Vec<f32> = got.chunks_exact(n).map(|g| g[t - t0]).collect();
+                    assert_eq!(
+                        bits(&alone),
+                        bits(&mine),
+                        "k {k}: token {t} among {n} from {t0}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The tiled product's panel decoded from packed rows is the panel of the stored rows.
+    /// Q8_0: whole groups of 16 blocks (1,024 and 3,584 columns), a last group holding 12
+    /// blocks (384 and 896: its lanes masked), and narrow last groups that take the stored
+    /// layout (128 and 2,176 columns: 4 blocks left over). PQ2_0 (unpacked to the stored
+    /// layout, then decoded): one to seven packed groups.
     #[test]
     fn packed_panel_is_the_stored_panel() {
         let mut s = 9u64;
-        for k in [128, 384, 896, 1024, 2176, 3584] {
+        let q8 = [128, 384, 896, 1024, 2176, 3584].map(|k| (GgmlType::Q8_0, k));
+        let pq2 = [512, 1024, 3584].map(|k| (GgmlType::PQ2_0, k));
+        for (ty, k) in q8.into_iter().chain(pq2) {
             let rows = 5;
-            let m = stored(rows, k, &mut s);
+            let m = stored(ty, rows, k, &mut s);
             let mut p = vec![0u8; m.len()];
-            pack_rows(&m, k, &mut p);
+            pack_rows(ty, &m, k, &mut p);
             let mut want = int8::Panel::default();
-            want.decode(GgmlType::Q8_0, &m, rows, k);
+            want.decode(ty, &m, rows, k);
             let mut got = int8::Panel::default();
-            got.decode_packed(&p, rows, k);
+            got.decode_packed(ty, &p, rows, k);
             let (wc, wd) = want.contents();
             let (gc, gd) = got.contents();
-            assert_eq!(wc, gc, "k {k}: codes");
-            assert_eq!(bits(wd), bits(gd), "k {k}: scales");
+            assert_eq!(wc, gc, "{ty} k {k}: codes");
+            assert_eq!(bits(wd), bits(gd), "{ty} k {k}: scales");
         }
     }
 
     #[test]
-    fn only_whole_groups_of_q8_0_pack() {
+    fn only_whole_groups_of_q8_0_and_pq2_0_pack() {
         assert!(!packs(GgmlType::Q8_0, 96));
         assert!(!packs(GgmlType::Q8_0, 0));
-        assert!(!packs(GgmlType::PQ2_0, 1024));
+        assert!(!packs(GgmlType::PQ2_0, 384));
+        assert!(!packs(GgmlType::PQ2_0, 0));
         assert!(!packs(GgmlType::Q4_0, 1024));
+        assert!(!packs(GgmlType::PTQ1_0, 1024));
+        assert_eq!(packs(GgmlType::PQ2_0, 1024), packs(GgmlType::Q8_0, 1024));
     }
 }

@@ -20,8 +20,8 @@ pub(super) fn vnni() -> bool {
         && is_x86_feature_detected!("f16c")
 }
 
-/// What the packed Q8_0 kernel needs (`packed.rs`): VNNI, and VL for the scales' 256-bit
-/// permute.
+/// What the packed Q8_0 and PQ2_0 kernels need (`packed.rs`): VNNI, and VL for the scales'
+/// 256-bit permute.
 pub(super) fn vnni_vl() -> bool {
     vnni() && is_x86_feature_detected!("avx512vl")
 }
@@ -539,6 +539,150 @@ unsafe fn q8_0_packed_rows<const R: usize, const N: usize>(
             out[j * N + i] = _mm512_reduce_add_ps(acc[j][i]);
         }
     }
+}
+
+/// PQ2_0 rows in the packed layout (`packed.rs`) against `N` token rows, four blocks (512
+/// columns) a step: a group's two 64-byte code vectors hold 16 bytes of each of its four
+/// blocks, so their eight code planes meet the token row's eight activation vectors
+/// (`QActs::quads`) with each i32 lane inside one block (lanes 4c..4c + 4 block c), and one
+/// conversion and one scaled multiply-add per (weight row, token row) pair cover four blocks
+/// where the stored rows' kernel (`pq2_0_span_body`) spends them on two: per pair and 512
+/// columns 8 `vpdpbusd` and 4 other operations instead of 8 and 8, and per weight row one scale
+/// permute instead of two pair-scale widenings. `$planes` splits a code vector into its four
+/// planes. One weight row a pass for one token row, two for several (`in_groups`); each pair
+/// sees the same operations in the same order either way, so the same bits.
+macro_rules! pq2_0_packed_body {
+    ($r:ident, $n:ident, $rows:expr, $rb:expr, $a:expr, $t0:expr, $out:expr, $planes:expr) => {{
+        let (rows, rb, a, t0, out): (&[u8], usize, &QActs, usize, &mut [f32]) =
+            ($rows, $rb, $a, $t0, $out);
+        let ng = a.k / 512;
+        debug_assert_eq!(rb, ng * 136);
+        debug_assert_eq!(a.quads.len(), a.rows * a.k);
+        let spread = _mm256_set_epi16(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+        for (out, rr) in out
+            .chunks_exact_mut($r * $n)
+            .zip(rows.chunks_exact($r * rb))
+        {
+            let p: [*const u8; $r] = std::array::from_fn(|j| rr.as_ptr().add(j * rb));
+            let mut acc = [[_mm512_setzero_ps(); $n]; $r];
+            for g in 0..ng {
+                let mut c = [[_mm512_setzero_si512(); 8]; $r];
+                let mut dw = [_mm512_setzero_ps(); $r];
+                for j in 0..$r {
+                    let cv = p[j].add(g * 128);
+                    for h in 0..2 {
+                        if $r == 1 {
+                            prefetch(cv.add(64 * h));
+                        } else {
+                            prefetch_pass(p[0].add((g * $r + j) * 136 + 64 * h));
+                        }
+                        let pl: [__m512i; 4] =
+                            $planes(_mm512_loadu_si512(cv.add(64 * h) as *const _));
+                        c[j][4 * h..4 * h + 4].copy_from_slice(&pl);
+                    }
+                    let sc = _mm_loadl_epi64(p[j].add(ng * 128 + g * 8) as *const __m128i);
+                    dw[j] = _mm512_cvtph_ps(_mm256_permutexvar_epi16(
+                        spread,
+                        _mm256_castsi128_si256(sc),
+                    ));
+                }
+                for i in 0..$n {
+                    let at = (t0 + i) * ng + g;
+                    let x = a.quads.as_ptr().add(at * 512);
+                    let dx = _mm512_loadu_ps(a.d4.as_ptr().add(at * 16));
+                    let o = _mm512_loadu_ps(a.o4.as_ptr().add(at * 16));
+                    for j in 0..$r {
+                        let c = &c[j];
+                        let xv = |v: usize| _mm512_loadu_si512(x.add(64 * v) as *const _);
+                        // Two chains of four, so a pair's sums do not wait on one another
+                        // eight deep.
+                        let mut sa = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], xv(0));
+                        let mut sb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[1], xv(1));
+                        for v in (2..8).step_by(2) {
+                            sa = _mm512_dpbusd_epi32(sa, c[v], xv(v));
+                            sb = _mm512_dpbusd_epi32(sb, c[v + 1], xv(v + 1));
+                        }
+                        let s = _mm512_cvtepi32_ps(_mm512_add_epi32(sa, sb));
+                        acc[j][i] = _mm512_fmadd_ps(dw[j], _mm512_fmsub_ps(dx, s, o), acc[j][i]);
+                    }
+                }
+            }
+            for j in 0..$r {
+                for i in 0..$n {
+                    out[j * $n + i] = _mm512_reduce_add_ps(acc[j][i]);
+                }
+            }
+        }
+    }};
+}
+
+/// `pq2_0_packed_body` over a span: one weight row a pass for one token row, two for several.
+macro_rules! pq2_0_packed {
+    ($n:ident, $rows:expr, $rb:expr, $a:expr, $t0:expr, $out:expr, $planes:expr) => {{
+        let (rows, rb, a, t0, out) = ($rows, $rb, $a, $t0, $out);
+        if $n == 1 {
+            pq2_0_packed_body!(ONE, $n, rows, rb, a, t0, out, $planes)
+        } else {
+            in_groups::<2>(
+                rows,
+                rb,
+                $n,
+                out,
+                |r, o| pq2_0_packed_body!(TWO, $n, r, rb, a, t0, o, $planes),
+                |r, o| pq2_0_packed_body!(ONE, $n, r, rb, a, t0, o, $planes),
+            )
+        }
+    }};
+}
+
+/// [`packed::dot_span`](super::packed::dot_span)'s PQ2_0 kernel (`pq2_0_packed_body`): the
+/// planes by `vpermb` where the CPU has VBMI, else by shifts and masks (the same planes).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn pq2_0_packed_span<const N: usize>(
+    rows: &[u8],
+    rb: usize,
+    a: &QActs,
+    t0: usize,
+    out: &mut [f32],
+) {
+    if vbmi() {
+        return pq2_0_packed_vbmi::<N>(rows, rb, a, t0, out);
+    }
+    let m3 = _mm512_set1_epi8(3);
+    let planes = |q: __m512i| {
+        [
+            _mm512_and_si512(q, m3),
+            _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
+            _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
+            _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
+        ]
+    };
+    pq2_0_packed!(N, rows, rb, a, t0, out, planes)
+}
+
+/// `pq2_0_packed_span` with the planes by table lookup (see `pq2_0_vbmi_span`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+unsafe fn pq2_0_packed_vbmi<const N: usize>(
+    rows: &[u8],
+    rb: usize,
+    a: &QActs,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let table = |s: usize| {
+        let v: [u8; 64] = std::array::from_fn(|i| ((i >> (2 * s)) & 3) as u8);
+        _mm512_loadu_si512(v.as_ptr() as *const _)
+    };
+    let (l0, l1, l2) = (table(0), table(1), table(2));
+    let planes = |q: __m512i| {
+        [
+            _mm512_permutexvar_epi8(q, l0),
+            _mm512_permutexvar_epi8(q, l1),
+            _mm512_permutexvar_epi8(q, l2),
+            _mm512_permutexvar_epi8(_mm512_srli_epi16::<6>(q), l0),
+        ]
+    };
+    pq2_0_packed!(N, rows, rb, a, t0, out, planes)
 }
 
 /// Dots 128 codes (two 64-byte vectors) with each row's 128 activations of block `b`, and

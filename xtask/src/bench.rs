@@ -691,12 +691,12 @@ bench-0.8b decode shapes, 1 to 4 activation rows, ~1 MiB of rows in L2, GB/s"
                 gb / spans[2]
             );
         }
-        // The serving path's copy of a Q8_0 matrix, repacked at load (`quant::packed`): its
+        // The serving path's copy of a Q8_0 or PQ2_0 matrix, repacked at load (`quant::packed`): its
         // span kernels for 1 to 4 activation rows (it has no per-row entry point).
         if tern::quant::packed::packs(ty, cols) {
             use tern::quant::packed;
             let mut p = vec![0u8; m.len()];
-            packed::pack_rows(&m, cols, &mut p);
+            packed::pack_rows(ty, &m, cols, &mut p);
             let spans: Vec<f64> = (1..=4)
                 .map(|n| {
                     let mut out = vec![0f32; rows * n];

@@ -1,7 +1,7 @@
 //! The CPU backend: plain loops, rayon across output rows, tokens and heads.
 //!
 //! Weights stay in the mmap in their stored dtype, except that the serving path repacks Q8_0
-//! matrices once at load for its VNNI kernels (`quant::packed`). On the f32 reference path (`CpuBackend::new`)
+//! and PQ2_0 matrices once at load for its VNNI kernels (`quant::packed`). On the f32 reference path (`CpuBackend::new`)
 //! one token's matvec streams each row through `quant::dot_row`, so a 2.7 GB quantized file
 //! decodes without an f32 copy of itself; several tokens go through `gemm`, which dequantizes a
 //! tile of rows at a time into per-thread scratch and multiplies it with every token row.
@@ -101,7 +101,7 @@ impl CpuBackend {
         p.as_mut_slice()
             .par_chunks_mut(rows_per_task * rb)
             .zip(bytes.par_chunks(rows_per_task * rb))
-            .for_each(|(d, s)| quant::packed::pack_rows(s, ne0, d));
+            .for_each(|(d, s)| quant::packed::pack_rows(w.info.ty, s, ne0, d));
         w.file.release(&w.info);
         let p = Arc::new(p);
         map.insert(key, Arc::downgrade(&p));
@@ -324,7 +324,7 @@ fn product_int8_tiled(w: &Weight, x: &[f32], out: &mut Tensor) {
                 let (r0, r1) = (c * TILED_ROWS, ((c + 1) * TILED_ROWS).min(n_out));
                 let rows = &w.rows_bytes()[r0 * w.row_bytes..r1 * w.row_bytes];
                 if w.packed.is_some() {
-                    panel.decode_packed(rows, r1 - r0, k);
+                    panel.decode_packed(w.ty, rows, r1 - r0, k);
                 } else {
                     panel.decode(w.ty, rows, r1 - r0, k);
                 }
@@ -940,7 +940,7 @@ impl Backend for CpuBackend {
                     Some(_) => {
                         stored.resize(table.row_bytes, 0);
                         let p = &table.rows_bytes()[r * table.row_bytes..][..table.row_bytes];
-                        quant::packed::unpack_row(p, table.ne0, stored);
+                        quant::packed::unpack_row(table.ty, p, table.ne0, stored);
                         &stored[..]
                     }
                     None => table.row_data(r),
