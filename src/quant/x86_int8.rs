@@ -547,7 +547,8 @@ unsafe fn q8_0_packed_rows<const R: usize, const N: usize>(
 /// (`QActs::quads`) with each i32 lane inside one block (lanes 4c..4c + 4 block c), and one
 /// conversion and one scaled multiply-add per (weight row, token row) pair cover four blocks
 /// where the stored rows' kernel (`pq2_0_span_body`) spends them on two: per pair and 512
-/// columns 8 `vpdpbusd` and 4 other operations instead of 8 and 8, and per weight row one scale
+/// columns 8 `vpdpbusd` and 3 other operations (4 for one token row) instead of 8 and 8, and
+/// per weight row one scale
 /// permute instead of two pair-scale widenings. `$planes` splits a code vector into its four
 /// planes. One weight row a pass for one token row, two for several (`in_groups`); each pair
 /// sees the same operations in the same order either way, so the same bits.
@@ -594,15 +595,30 @@ macro_rules! pq2_0_packed_body {
                     for j in 0..$r {
                         let c = &c[j];
                         let xv = |v: usize| _mm512_loadu_si512(x.add(64 * v) as *const _);
-                        // Two chains of four, so a pair's sums do not wait on one another
-                        // eight deep.
-                        let mut sa = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], xv(0));
-                        let mut sb = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[1], xv(1));
-                        for v in (2..8).step_by(2) {
-                            sa = _mm512_dpbusd_epi32(sa, c[v], xv(v));
-                            sb = _mm512_dpbusd_epi32(sb, c[v + 1], xv(v + 1));
-                        }
-                        let s = _mm512_cvtepi32_ps(_mm512_add_epi32(sa, sb));
+                        // The integer sums are exact in any order, so the chains may differ
+                        // with the row count. One token row has one pair in flight: two
+                        // chains of four, so its sums do not wait eight deep. Several have
+                        // other pairs to overlap, and one chain of eight saves the add: 3
+                        // rows 5.9-9.5 -> 6.7-10.5 GB/s at 1,024 columns and 6.1-10.0 ->
+                        // 7.6-12.4 at 3,584 (one thread, the two alternated in one process,
+                        // four runs), where one row lost 7-11% to one chain.
+                        let s = if $n == 1 {
+                            let z = _mm512_setzero_si512();
+                            let mut sa = _mm512_dpbusd_epi32(z, c[0], xv(0));
+                            let mut sb = _mm512_dpbusd_epi32(z, c[1], xv(1));
+                            for v in (2..8).step_by(2) {
+                                sa = _mm512_dpbusd_epi32(sa, c[v], xv(v));
+                                sb = _mm512_dpbusd_epi32(sb, c[v + 1], xv(v + 1));
+                            }
+                            _mm512_add_epi32(sa, sb)
+                        } else {
+                            let mut sa = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c[0], xv(0));
+                            for v in 1..8 {
+                                sa = _mm512_dpbusd_epi32(sa, c[v], xv(v));
+                            }
+                            sa
+                        };
+                        let s = _mm512_cvtepi32_ps(s);
                         acc[j][i] = _mm512_fmadd_ps(dw[j], _mm512_fmsub_ps(dx, s, o), acc[j][i]);
                     }
                 }
