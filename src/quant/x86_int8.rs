@@ -541,6 +541,45 @@ unsafe fn q8_0_packed_rows<const R: usize, const N: usize>(
     }
 }
 
+/// A closure that splits 64 PQ2_0 code bytes into their four code planes (plane s: the codes at
+/// bits 2s..2s + 2 of each byte, one per byte) by shifts and masks. A macro, so the closure
+/// takes the target features of the kernel it is written in.
+macro_rules! pq2_planes_shift {
+    () => {{
+        let m3 = _mm512_set1_epi8(3);
+        move |q: __m512i| {
+            [
+                _mm512_and_si512(q, m3),
+                _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
+                _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
+            ]
+        }
+    }};
+}
+
+/// `pq2_planes_shift` by `vpermb` (VBMI): it indexes a 64-byte table by each byte's low six
+/// bits, so the tables `(i >> 2s) & 3` give planes 0 to 2 in one instruction each (no mask),
+/// and plane 3 is the top two bits shifted down first. Four instructions on the shuffle port
+/// plus one shift, against seven shifts and masks.
+macro_rules! pq2_planes_vbmi {
+    () => {{
+        let table = |s: usize| {
+            let v: [u8; 64] = std::array::from_fn(|i| ((i >> (2 * s)) & 3) as u8);
+            _mm512_loadu_si512(v.as_ptr() as *const _)
+        };
+        let (l0, l1, l2) = (table(0), table(1), table(2));
+        move |q: __m512i| {
+            [
+                _mm512_permutexvar_epi8(q, l0),
+                _mm512_permutexvar_epi8(q, l1),
+                _mm512_permutexvar_epi8(q, l2),
+                _mm512_permutexvar_epi8(_mm512_srli_epi16::<6>(q), l0),
+            ]
+        }
+    }};
+}
+
 /// PQ2_0 rows in the packed layout (`packed.rs`) against `N` token rows, four blocks (512
 /// columns) a step: a group's two 64-byte code vectors hold 16 bytes of each of its four
 /// blocks, so their eight code planes meet the token row's eight activation vectors
@@ -632,20 +671,22 @@ macro_rules! pq2_0_packed_body {
     }};
 }
 
-/// `pq2_0_packed_body` over a span: one weight row a pass for one token row, two for several.
-macro_rules! pq2_0_packed {
-    ($n:ident, $rows:expr, $rb:expr, $a:expr, $t0:expr, $out:expr, $planes:expr) => {{
+/// A PQ2_0 span through the body macro `$body` (`pq2_0_span_body`, `pq2_0_packed_body`): one
+/// weight row a pass for one token row (memory-bound, no loads to share), two a pass for
+/// several (see `q8_0_vnni_span`).
+macro_rules! pq2_0_in_twos {
+    ($body:ident, $n:ident, $rows:expr, $rb:expr, $a:expr, $t0:expr, $out:expr, $planes:expr) => {{
         let (rows, rb, a, t0, out) = ($rows, $rb, $a, $t0, $out);
         if $n == 1 {
-            pq2_0_packed_body!(ONE, $n, rows, rb, a, t0, out, $planes)
+            $body!(ONE, $n, rows, rb, a, t0, out, $planes)
         } else {
             in_groups::<2>(
                 rows,
                 rb,
                 $n,
                 out,
-                |r, o| pq2_0_packed_body!(TWO, $n, r, rb, a, t0, o, $planes),
-                |r, o| pq2_0_packed_body!(ONE, $n, r, rb, a, t0, o, $planes),
+                |r, o| $body!(TWO, $n, r, rb, a, t0, o, $planes),
+                |r, o| $body!(ONE, $n, r, rb, a, t0, o, $planes),
             )
         }
     }};
@@ -664,19 +705,11 @@ pub(super) unsafe fn pq2_0_packed_span<const N: usize>(
     if vbmi() {
         return pq2_0_packed_vbmi::<N>(rows, rb, a, t0, out);
     }
-    let m3 = _mm512_set1_epi8(3);
-    let planes = |q: __m512i| {
-        [
-            _mm512_and_si512(q, m3),
-            _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
-            _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
-            _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
-        ]
-    };
-    pq2_0_packed!(N, rows, rb, a, t0, out, planes)
+    let planes = pq2_planes_shift!();
+    pq2_0_in_twos!(pq2_0_packed_body, N, rows, rb, a, t0, out, planes)
 }
 
-/// `pq2_0_packed_span` with the planes by table lookup (see `pq2_0_vbmi_span`).
+/// `pq2_0_packed_span` with the planes by table lookup (`pq2_planes_vbmi`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")]
 unsafe fn pq2_0_packed_vbmi<const N: usize>(
     rows: &[u8],
@@ -685,20 +718,8 @@ unsafe fn pq2_0_packed_vbmi<const N: usize>(
     t0: usize,
     out: &mut [f32],
 ) {
-    let table = |s: usize| {
-        let v: [u8; 64] = std::array::from_fn(|i| ((i >> (2 * s)) & 3) as u8);
-        _mm512_loadu_si512(v.as_ptr() as *const _)
-    };
-    let (l0, l1, l2) = (table(0), table(1), table(2));
-    let planes = |q: __m512i| {
-        [
-            _mm512_permutexvar_epi8(q, l0),
-            _mm512_permutexvar_epi8(q, l1),
-            _mm512_permutexvar_epi8(q, l2),
-            _mm512_permutexvar_epi8(_mm512_srli_epi16::<6>(q), l0),
-        ]
-    };
-    pq2_0_packed!(N, rows, rb, a, t0, out, planes)
+    let planes = pq2_planes_vbmi!();
+    pq2_0_in_twos!(pq2_0_packed_body, N, rows, rb, a, t0, out, planes)
 }
 
 /// Dots 128 codes (two 64-byte vectors) with each row's 128 activations of block `b`, and
@@ -811,26 +832,6 @@ macro_rules! pq2_0_span_body {
     }};
 }
 
-/// `pq2_0_span_body` over a span: one weight row a pass for one token row (memory-bound, no
-/// loads to share), two a pass for several (see `q8_0_vnni_span`).
-macro_rules! pq2_0_span {
-    ($n:ident, $rows:expr, $rb:expr, $a:expr, $t0:expr, $out:expr, $planes:expr) => {{
-        let (rows, rb, a, t0, out) = ($rows, $rb, $a, $t0, $out);
-        if $n == 1 {
-            pq2_0_span_body!(ONE, $n, rows, rb, a, t0, out, $planes)
-        } else {
-            in_groups::<2>(
-                rows,
-                rb,
-                $n,
-                out,
-                |r, o| pq2_0_span_body!(TWO, $n, r, rb, a, t0, o, $planes),
-                |r, o| pq2_0_span_body!(ONE, $n, r, rb, a, t0, o, $planes),
-            )
-        }
-    }};
-}
-
 /// A span in groups of `R` weight rows (`wide`) while whole groups last, then one at a time
 /// (`one`): the multi-row kernels take two or four weight rows per pass when several token
 /// rows share their activation loads.
@@ -860,16 +861,8 @@ unsafe fn pq2_0_vnni_span<const N: usize>(
     t0: usize,
     out: &mut [f32],
 ) {
-    let m3 = _mm512_set1_epi8(3);
-    let planes = |q: __m512i| {
-        [
-            _mm512_and_si512(q, m3),
-            _mm512_and_si512(_mm512_srli_epi16::<2>(q), m3),
-            _mm512_and_si512(_mm512_srli_epi16::<4>(q), m3),
-            _mm512_and_si512(_mm512_srli_epi16::<6>(q), m3),
-        ]
-    };
-    pq2_0_span!(N, rows, rb, a, t0, out, planes)
+    let planes = pq2_planes_shift!();
+    pq2_0_in_twos!(pq2_0_span_body, N, rows, rb, a, t0, out, planes)
 }
 
 const ONE: usize = 1;
@@ -881,10 +874,7 @@ unsafe fn pq2_0_vnni<const N: usize>(row: &[u8], a: &QActs, t0: usize, out: &mut
     pq2_0_vnni_span::<N>(row, row.len(), a, t0, out)
 }
 
-/// PQ2_0 over a span of rows, the planes by `vpermb`: it indexes a 64-byte table by each byte's
-/// low six bits, so the tables `(i >> 2s) & 3` give planes 0 to 2 of the code bytes in one
-/// instruction each (no mask), and plane 3 is the top two bits shifted down first. Four
-/// instructions on the shuffle port plus one shift, against seven shifts and masks.
+/// PQ2_0 over a span of rows, the planes by `vpermb` (`pq2_planes_vbmi`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
 unsafe fn pq2_0_vbmi_span<const N: usize>(
     rows: &[u8],
@@ -893,20 +883,8 @@ unsafe fn pq2_0_vbmi_span<const N: usize>(
     t0: usize,
     out: &mut [f32],
 ) {
-    let table = |s: usize| {
-        let v: [u8; 64] = std::array::from_fn(|i| ((i >> (2 * s)) & 3) as u8);
-        _mm512_loadu_si512(v.as_ptr() as *const _)
-    };
-    let (l0, l1, l2) = (table(0), table(1), table(2));
-    let planes = |q: __m512i| {
-        [
-            _mm512_permutexvar_epi8(q, l0),
-            _mm512_permutexvar_epi8(q, l1),
-            _mm512_permutexvar_epi8(q, l2),
-            _mm512_permutexvar_epi8(_mm512_srli_epi16::<6>(q), l0),
-        ]
-    };
-    pq2_0_span!(N, rows, rb, a, t0, out, planes)
+    let planes = pq2_planes_vbmi!();
+    pq2_0_in_twos!(pq2_0_span_body, N, rows, rb, a, t0, out, planes)
 }
 
 /// Where each of a PTQ1_0 block's 128 trits lies (`ptq1_0.rs`): for element `e`, the byte of
