@@ -708,10 +708,10 @@ impl Panel {
         self.decode_rows(ty, w, rows, k, isa, false)
     }
 
-    /// [`Panel::decode`] of `rows` Q8_0 rows of `k` in the serving path's packed layout
-    /// (`quant::packed`): the panel their stored rows give, gathered from the packed levels
-    /// (already biased) where every group of the tiling is whole, else row by row through the
-    /// stored layout.
+    /// [`Panel::decode`] of `rows` Q8_0 or PQ2_0 rows of `k` in the serving path's packed
+    /// layout (`quant::packed`): the panel their stored rows give. Q8_0's is gathered from the
+    /// packed levels (already biased) where every group of the tiling is whole; otherwise, and
+    /// for PQ2_0, each row is unpacked to the stored layout and decoded as stored.
     pub fn decode_packed(&mut self, ty: GgmlType, w: &[u8], rows: usize, k: usize) {
         self.decode_rows(ty, w, rows, k, Isa::Avx512Vnni, true)
     }
@@ -749,9 +749,7 @@ impl Panel {
         {
             let row = if packed {
                 #[cfg(target_arch = "x86_64")]
-                if ty == GgmlType::Q8_0
-                    && super::x86_int8::panel_row_packed(row, &tiling, codes, dw)
-                {
+                if super::x86_int8::panel_row_packed(ty, row, &tiling, codes, dw) {
                     continue;
                 }
                 stored.resize(rb, 0);

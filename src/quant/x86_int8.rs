@@ -1357,11 +1357,18 @@ unsafe fn group_scales34(base: *const u8, k: __mmask16, off: __m512i, dw: *mut f
     _mm512_storeu_ps(dw, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(s)));
 }
 
-/// [`Panel::decode_packed`](super::int8::Panel::decode_packed)'s row: false unless the CPU has
-/// the packed kernel's features and every group of the tiling is whole (the narrow last group
-/// of a short row takes the stored layout).
-pub(super) fn panel_row_packed(row: &[u8], tl: &Tiling, codes: &mut [u8], dw: &mut [f32]) -> bool {
-    if !vnni_vl() || (0..tl.groups).any(|g| tl.width(g) < GROUP) {
+/// [`Panel::decode_packed`](super::int8::Panel::decode_packed)'s row: false unless the row is
+/// Q8_0 (packed PQ2_0 rows take the stored layout), the CPU has the packed kernel's features
+/// and every group of the tiling is whole (the narrow last group of a short row takes the
+/// stored layout).
+pub(super) fn panel_row_packed(
+    ty: GgmlType,
+    row: &[u8],
+    tl: &Tiling,
+    codes: &mut [u8],
+    dw: &mut [f32],
+) -> bool {
+    if ty != GgmlType::Q8_0 || !vnni_vl() || (0..tl.groups).any(|g| tl.width(g) < GROUP) {
         return false;
     }
     debug_assert_eq!(row.len(), tl.nb * 34);
