@@ -212,8 +212,8 @@ pub struct GdnSeq<'a, Rs> {
 /// place (the CPU reads the mapping), counted once per tensor however many uses share it;
 /// `owned` is what the backend allocated for this use alone (device copies, decoded f32
 /// copies, sign tables); `shared` is an allocation every use of the tensor shares (the CPU's
-/// packed Q8_0 and PQ2_0 rows, `quant::packed`: the tied output head and the draft head's first rows
-/// read the embedding table's one copy), counted once per tensor at its largest use.
+/// packed Q8_0, PQ2_0 and PTQ1_0 rows, `quant::packed`: the tied output head and the draft head's
+/// first rows read the embedding table's one copy), counted once per tensor at its largest use.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct WeightBytes {
     pub tensor: String,

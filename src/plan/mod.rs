@@ -216,7 +216,7 @@ pub struct Shape {
     pub lora: Vec<PathBuf>,
     pub backend: BackendKind,
     /// The CPU's f32 reference path (`--cpu-exact`), which keeps every weight in the mapping;
-    /// the serving path packs Q8_0 matrices (`quant::packed`).
+    /// the serving path packs Q8_0, PQ2_0 and PTQ1_0 matrices (`quant::packed`).
     pub cpu_exact: bool,
     /// MiB kept free on the device beyond the priced total.
     pub margin_mib: u64,

@@ -329,13 +329,13 @@ fn weights(g: &Arc<Gguf>, cfg: &Config, shape: &Shape) -> Result<Line, PlanError
     parts.push(("allocated by the backend".to_string(), t.owned));
     if t.shared > 0 {
         parts.push((
-            "packed Q8_0 / PQ2_0 rows for the int8 kernels".to_string(),
+            "packed Q8_0 / PQ2_0 / PTQ1_0 rows for the int8 kernels (PTQ1_0 as PQ2_0)".to_string(),
             t.shared,
         ));
     }
     let pricing = match backend {
         BackendKind::Cpu | BackendKind::Auto if t.shared > 0 => {
-            "cpu: stored rows read in place, Q8_0 matrices packed once + f32 copies of small weights"
+            "cpu: stored rows read in place, Q8_0 and ternary matrices packed once + f32 copies of small weights"
         }
         BackendKind::Cpu | BackendKind::Auto => {
             "cpu: stored rows read in place + f32 copies of small weights"
@@ -387,7 +387,7 @@ fn projector(p: &Path, cfg: &Config, shape: &Shape) -> Result<(Line, Line), Plan
     parts.push(("allocated by the backend".to_string(), t.owned));
     if t.shared > 0 {
         parts.push((
-            "packed Q8_0 / PQ2_0 rows for the int8 kernels".to_string(),
+            "packed Q8_0 / PQ2_0 / PTQ1_0 rows for the int8 kernels (PTQ1_0 as PQ2_0)".to_string(),
             t.shared,
         ));
     }

@@ -33,6 +33,13 @@
 //! bench-0.8b PQ2_0 (an ignored probe alternating the packed and unpacked backends in one
 //! process, medians of 60 steps each, two runs): one stream 17.57 / 18.73 -> 16.78 / 17.50 ms,
 //! three streams 28.26 / 31.42 -> 25.93 / 28.85 ms.
+//!
+//! PTQ1_0 rows are transcoded to PQ2_0 blocks as they pack (each trit becomes the 2-bit code
+//! of the same value, the scale moves to the front) and then packed as PQ2_0: the values are
+//! exactly the stored ones, and the matrix runs on the packed PQ2_0 kernel, at 34 bytes a
+//! block instead of 28. PTQ1_0's own kernel spends about three times PQ2_0's arithmetic per
+//! weight pulling five trits out of each byte (`x86_int8::ptq1_0_vnni`), so it bound the
+//! decode step; see [`packed_type`].
 
 use super::int8::{QActs, MAX_ROWS};
 use crate::tensor::GgmlType;
@@ -41,7 +48,8 @@ use crate::tensor::GgmlType;
 /// make 128 payload bytes and four scales.
 const BLOCKS: usize = 4;
 
-/// Columns per packed group of `ty`: four Q8_0 blocks of 32, or four PQ2_0 blocks of 128.
+/// Columns per packed group of `ty`: four Q8_0 blocks of 32, or four PQ2_0 (or PTQ1_0) blocks
+/// of 128.
 fn group_cols(ty: GgmlType) -> usize {
     match ty {
         GgmlType::Q8_0 => 128,
@@ -58,12 +66,12 @@ fn bias(ty: GgmlType) -> u8 {
     }
 }
 
-/// Whether the serving path packs a `ty` matrix of `k` columns: Q8_0 or PQ2_0, whole groups,
-/// and a CPU with the packed kernels.
+/// Whether the serving path packs a `ty` matrix of `k` columns: Q8_0, PQ2_0 or PTQ1_0, whole
+/// groups, and a CPU with the packed kernels.
 pub fn packs(ty: GgmlType, k: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        matches!(ty, GgmlType::Q8_0 | GgmlType::PQ2_0)
+        matches!(ty, GgmlType::Q8_0 | GgmlType::PQ2_0 | GgmlType::PTQ1_0)
             && k > 0
             && k.is_multiple_of(group_cols(ty))
             && super::x86_int8::vnni_vl()
@@ -75,21 +83,69 @@ pub fn packs(ty: GgmlType, k: usize) -> bool {
     }
 }
 
-/// Packs stored `ty` rows of `k` columns (`src`, whole rows) into `dst` (the same length).
+/// The type of a packed `ty` matrix's blocks: PTQ1_0 packs as PQ2_0, the others as they are.
+/// The packed rows' kernel, their activations, [`unpack_row`] and the panel decoder all take
+/// this type.
+pub fn packed_type(ty: GgmlType) -> GgmlType {
+    match ty {
+        GgmlType::PTQ1_0 => GgmlType::PQ2_0,
+        ty => ty,
+    }
+}
+
+/// Bytes of one packed row of a `ty` matrix of `k` columns (stored `ty` = [`packs`]' type).
+pub fn packed_row_bytes(ty: GgmlType, k: usize) -> usize {
+    row_bytes(packed_type(ty), k)
+}
+
+/// Packs stored `ty` rows of `k` columns (`src`, whole rows) into `dst`, one packed row of
+/// [`packed_row_bytes`] per stored row.
 pub fn pack_rows(ty: GgmlType, src: &[u8], k: usize, dst: &mut [u8]) {
-    let rb = row_bytes(ty, k);
+    let (rb, pb) = (row_bytes(ty, k), packed_row_bytes(ty, k));
     assert!(
-        k.is_multiple_of(group_cols(ty)) && src.len() == dst.len() && src.len().is_multiple_of(rb),
+        k.is_multiple_of(group_cols(ty))
+            && src.len().is_multiple_of(rb)
+            && dst.len() == src.len() / rb * pb,
         "packed::pack_rows: {} bytes into {} for {ty} rows of {k}",
         src.len(),
         dst.len()
     );
-    for (s, d) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(rb)) {
-        permute_row(ty, s, d, true);
+    let mut pq2 = Vec::new();
+    for (s, d) in src.chunks_exact(rb).zip(dst.chunks_exact_mut(pb)) {
+        let s = match ty {
+            GgmlType::PTQ1_0 => {
+                pq2.resize(pb, 0);
+                ptq1_0_as_pq2_0(s, &mut pq2);
+                &pq2[..]
+            }
+            _ => s,
+        };
+        permute_row(packed_type(ty), s, d, true);
     }
 }
 
-/// The stored `ty` row of `k` columns that `src` (one packed row) was packed from.
+/// A stored PTQ1_0 row as PQ2_0 blocks of the same values: per block the scale first, then
+/// trit `t` of element `e` as code `t` (value `(t - 1) * d` in both) at bits `2 * (e % 4)` of
+/// byte `e / 4`. The trits are read as `ptq1_0::decode` reads them, whatever the bytes.
+fn ptq1_0_as_pq2_0(src: &[u8], dst: &mut [u8]) {
+    use super::{pq2_0, ptq1_0};
+    for (s, d) in src
+        .chunks_exact(ptq1_0::BYTES)
+        .zip(dst.chunks_exact_mut(pq2_0::BYTES))
+    {
+        d[..2].copy_from_slice(&s[26..28]);
+        let codes = &mut d[2..];
+        codes.fill(0);
+        for e in 0..ptq1_0::QK {
+            let (byte, n) = ptq1_0::place(e);
+            let t = ((s[byte].wrapping_mul(ptq1_0::POW3[n]) as u16 * 3) >> 8) as u8;
+            codes[e / 4] |= t << (2 * (e % 4));
+        }
+    }
+}
+
+/// The stored `ty` row of `k` columns that `src` (one packed row) was packed from; `ty` is the
+/// packed type ([`packed_type`]), so a PTQ1_0 row comes back as its PQ2_0 blocks.
 pub fn unpack_row(ty: GgmlType, src: &[u8], k: usize, dst: &mut [u8]) {
     let rb = row_bytes(ty, k);
     assert!(
@@ -223,17 +279,35 @@ mod tests {
     }
 
     /// Rows of random payload bytes with scales of either sign between about 2^-9 and 2^-6
-    /// (both types' blocks are an f16 scale and 32 bytes).
+    /// (Q8_0 and PQ2_0 blocks are an f16 scale and 32 bytes; PTQ1_0's are 26 bytes, then the
+    /// scale, and every byte value is taken: those past 242 still decode to trits).
     fn stored(ty: GgmlType, rows: usize, k: usize, seed: &mut u64) -> Vec<u8> {
         let rb = row_bytes(ty, k);
+        let (bb, hi) = match ty {
+            GgmlType::PTQ1_0 => (28, 27),
+            _ => (34, 1),
+        };
         let mut m = vec![0u8; rows * rb];
         for (i, b) in m.iter_mut().enumerate() {
-            *b = match i % rb % 34 {
-                1 => 0x18 + (rnd(seed) % 8) as u8 + if rnd(seed) & 1 == 0 { 0x80 } else { 0 },
-                _ => rnd(seed) as u8,
+            *b = if i % rb % bb == hi {
+                0x18 + (rnd(seed) % 8) as u8 + if rnd(seed) & 1 == 0 { 0x80 } else { 0 }
+            } else {
+                rnd(seed) as u8
             };
         }
         m
+    }
+
+    /// Block `b` of a stored row as its scale and 128 codes (levels + 1) in element order.
+    fn block_codes(ty: GgmlType, row: &[u8], b: usize) -> (f64, Vec<i64>) {
+        let mut w = vec![0f32; 128];
+        let bb = row_bytes(ty, 128);
+        crate::quant::dequantize_row(ty, &row[b * bb..][..bb], &mut w).unwrap();
+        let at = if ty == GgmlType::PTQ1_0 { 26 } else { 0 };
+        let d = crate::quant::fp::le_f16(&row[b * bb..][..bb], at);
+        // The levels are (code - 1) * d exactly, d a nonzero f16.
+        let codes = w.iter().map(|&v| (v / d + 1.0) as i64).collect();
+        (d as f64, codes)
     }
 
     fn acts(ty: GgmlType, rows: usize, k: usize, seed: &mut u64) -> QActs {
@@ -241,6 +315,38 @@ mod tests {
             .map(|_| (rnd(seed) % 2001) as f32 / 1000.0 - 1.0)
             .collect();
         QActs::quantize(ty, &x, k)
+    }
+
+    /// A PTQ1_0 row packs as PQ2_0 blocks of the same values, bit for bit after decoding,
+    /// whatever the stored bytes (1 to 7 groups of 512).
+    #[test]
+    fn ptq1_0_packs_to_pq2_0_blocks_of_the_same_values() {
+        let mut s = 5u64;
+        for k in [512, 1024, 3584] {
+            let (rb, pb) = (
+                row_bytes(GgmlType::PTQ1_0, k),
+                packed_row_bytes(GgmlType::PTQ1_0, k),
+            );
+            assert_eq!((rb, pb), (k / 128 * 28, k / 128 * 34));
+            let m = stored(GgmlType::PTQ1_0, 5, k, &mut s);
+            let mut p = vec![0u8; 5 * pb];
+            pack_rows(GgmlType::PTQ1_0, &m, k, &mut p);
+            let mut back = vec![0u8; pb];
+            for r in 0..5 {
+                unpack_row(
+                    packed_type(GgmlType::PTQ1_0),
+                    &p[r * pb..][..pb],
+                    k,
+                    &mut back,
+                );
+                let mut want = vec![0f32; k];
+                let mut got = vec![1f32; k];
+                crate::quant::dequantize_row(GgmlType::PTQ1_0, &m[r * rb..][..rb], &mut want)
+                    .unwrap();
+                crate::quant::dequantize_row(GgmlType::PQ2_0, &back, &mut got).unwrap();
+                assert_eq!(bits(&want), bits(&got), "k {k} row {r}");
+            }
+        }
     }
 
     #[test]
@@ -304,17 +410,21 @@ mod tests {
     #[test]
     fn packed_pq2_0_kernel_gives_the_exact_sums_and_the_same_bits_for_any_rows() {
         let mut s = 11u64;
-        let ty = GgmlType::PQ2_0;
-        for k in [512, 1024, 1536, 3584] {
+        let sizes = [512, 1024, 1536, 3584];
+        let cases = sizes
+            .map(|k| (GgmlType::PQ2_0, k))
+            .into_iter()
+            .chain(sizes.map(|k| (GgmlType::PTQ1_0, k)));
+        for (ty, k) in cases {
             if !packs(ty, k) {
                 eprintln!("this CPU has no packed kernel: nothing to compare");
                 return;
             }
             let (rows, rb, nb) = (37, row_bytes(ty, k), k / 128);
             let m = stored(ty, rows, k, &mut s);
-            let mut p = AlignedBytes::zeroed(m.len());
+            let mut p = AlignedBytes::zeroed(rows * packed_row_bytes(ty, k));
             pack_rows(ty, &m, k, p.as_mut_slice());
-            let a = acts(ty, 6, k, &mut s);
+            let a = acts(packed_type(ty), 6, k, &mut s);
             let (qs, d, o) = a.contents();
             for t in 0..6 {
                 let mut alone = vec![0f32; rows];
@@ -322,15 +432,11 @@ mod tests {
                 for (r, &got) in alone.iter().enumerate() {
                     let (mut want, mut mag) = (0f64, 0f64);
                     for b in 0..nb {
-                        let blk = &m[r * rb + b * 34..][..34];
-                        let w = crate::quant::fp::le_f16(blk, 0) as f64;
+                        let (w, codes) = block_codes(ty, &m[r * rb..][..rb], b);
                         let q = &qs[t * k + b * 128..][..128];
                         // Element 4m + s is code s of byte m; `qs` holds it at 32s + m.
-                        let sum: i64 = (0..32)
-                            .flat_map(|m| (0..4).map(move |s| (m, s)))
-                            .map(|(m, s)| {
-                                ((blk[2 + m] >> (2 * s)) & 3) as i64 * q[32 * s + m] as i64
-                            })
+                        let sum: i64 = (0..128)
+                            .map(|e| codes[e] * q[32 * (e % 4) + e / 4] as i64)
                             .sum();
                         let (x, ob) = (d[t * nb + b] as f64, o[t * nb + b] as f64);
                         want += w * (x * sum as f64 - ob);
@@ -338,7 +444,7 @@ mod tests {
                     }
                     assert!(
                         (got as f64 - want).abs() <= 1e-5 * mag + 1e-30,
-                        "k {k} row {r} token {t}: {got} against {want} (terms {mag})"
+                        "{ty} k {k} row {r} token {t}: {got} against {want} (terms {mag})"
                     );
                 }
                 for n in 1..=4usize {
@@ -349,7 +455,7 @@ mod tests {
                     assert_eq!(
                         bits(&alone),
                         bits(&mine),
-                        "k {k}: token {t} among {n} from {t0}"
+                        "{ty} k {k}: token {t} among {n} from {t0}"
                     );
                 }
             }
@@ -383,13 +489,14 @@ mod tests {
     }
 
     #[test]
-    fn only_whole_groups_of_q8_0_and_pq2_0_pack() {
+    fn only_whole_groups_of_q8_0_and_ternary_types_pack() {
         assert!(!packs(GgmlType::Q8_0, 96));
         assert!(!packs(GgmlType::Q8_0, 0));
         assert!(!packs(GgmlType::PQ2_0, 384));
         assert!(!packs(GgmlType::PQ2_0, 0));
+        assert!(!packs(GgmlType::PTQ1_0, 384));
         assert!(!packs(GgmlType::Q4_0, 1024));
-        assert!(!packs(GgmlType::PTQ1_0, 1024));
         assert_eq!(packs(GgmlType::PQ2_0, 1024), packs(GgmlType::Q8_0, 1024));
+        assert_eq!(packs(GgmlType::PTQ1_0, 1024), packs(GgmlType::Q8_0, 1024));
     }
 }

@@ -1,7 +1,8 @@
 //! The CPU backend: plain loops, rayon across output rows, tokens and heads.
 //!
-//! Weights stay in the mmap in their stored dtype, except that the serving path repacks Q8_0
-//! and PQ2_0 matrices once at load for its VNNI kernels (`quant::packed`). On the f32 reference path (`CpuBackend::new`)
+//! Weights stay in the mmap in their stored dtype, except that the serving path repacks Q8_0,
+//! PQ2_0 and PTQ1_0 (as PQ2_0) matrices once at load for its VNNI kernels (`quant::packed`).
+//! On the f32 reference path (`CpuBackend::new`)
 //! one token's matvec streams each row through `quant::dot_row`, so a 2.7 GB quantized file
 //! decodes without an f32 copy of itself; several tokens go through `gemm`, which dequantizes a
 //! tile of rows at a time into per-thread scratch and multiplies it with every token row.
@@ -65,8 +66,8 @@ impl CpuBackend {
         CpuBackend::with(false, false)
     }
 
-    /// The serving path: int8 activations against Q8_0, Q4_0, PQ2_0 and PTQ1_0 weights, Q8_0
-    /// matrices packed at upload where the CPU has the packed kernel.
+    /// The serving path: int8 activations against Q8_0, Q4_0, PQ2_0 and PTQ1_0 weights, Q8_0,
+    /// PQ2_0 and PTQ1_0 matrices packed at upload where the CPU has the packed kernels.
     pub fn int8() -> Self {
         CpuBackend::with(true, true)
     }
@@ -90,16 +91,19 @@ impl CpuBackend {
         let bytes = w.bytes();
         let key = bytes.as_ptr() as usize;
         let mut map = self.packed.lock().unwrap_or_else(|e| e.into_inner());
+        let want = bytes.len() / w.info.row_bytes() as usize
+            * quant::packed::packed_row_bytes(w.info.ty, ne0);
         if let Some(p) = map.get(&key).and_then(Weak::upgrade) {
-            if p.len() >= bytes.len() {
+            if p.len() >= want {
                 return p;
             }
         }
-        let mut p = quant::packed::AlignedBytes::zeroed(bytes.len());
         let rb = w.info.row_bytes() as usize;
+        let pb = quant::packed::packed_row_bytes(w.info.ty, ne0);
+        let mut p = quant::packed::AlignedBytes::zeroed(bytes.len() / rb * pb);
         let rows_per_task = (INT8_TASK_BYTES / rb).max(1);
         p.as_mut_slice()
-            .par_chunks_mut(rows_per_task * rb)
+            .par_chunks_mut(rows_per_task * pb)
             .zip(bytes.par_chunks(rows_per_task * rb))
             .for_each(|(d, s)| quant::packed::pack_rows(w.info.ty, s, ne0, d));
         w.file.release(&w.info);
@@ -374,6 +378,8 @@ pub struct Weight {
     /// The rows packed for the serving path's kernels (`quant::packed`), shared by every use
     /// of the tensor; `rows * row_bytes` of it are this weight's.
     packed: Option<Arc<quant::packed::AlignedBytes>>,
+    /// The type and row length of the rows the kernels read: the stored ones, or the packed
+    /// ones (`quant::packed::packed_type`: a packed PTQ1_0 matrix holds PQ2_0 blocks).
     ty: GgmlType,
     ne0: usize,
     rows: usize,
@@ -797,12 +803,15 @@ fn planned(w: &WeightSource, pack: bool) -> super::WeightBytes {
         (true, false) => f32s,
         (true, true) => f32s.saturating_mul(2),
     };
-    let packed = pack && packs(w);
+    let packed = (pack && packs(w)).then(|| {
+        let rb = w.info.row_bytes().max(1);
+        w.info.nbytes / rb * quant::packed::packed_row_bytes(w.info.ty, ne0) as u64
+    });
     super::WeightBytes {
         tensor: w.info.name.clone(),
-        mapped: if packed { 0 } else { w.info.nbytes },
+        mapped: if packed.is_some() { 0 } else { w.info.nbytes },
         owned,
-        shared: if packed { w.info.nbytes } else { 0 },
+        shared: packed.unwrap_or(0),
     }
 }
 
@@ -847,6 +856,14 @@ impl Backend for CpuBackend {
                 .collect()
         });
         let packed = (self.pack && packs(w)).then(|| self.packed_rows(w));
+        // A packed matrix is read as its packed type (PTQ1_0 as PQ2_0) by every int8 path.
+        let (ty, row_bytes) = match packed {
+            Some(_) => (
+                quant::packed::packed_type(ty),
+                quant::packed::packed_row_bytes(ty, ne0),
+            ),
+            None => (ty, row_bytes),
+        };
         Ok(Weight {
             src: w.clone(),
             packed,
@@ -1471,6 +1488,73 @@ mod tests {
         let exact = CpuBackend::new().upload(&src).unwrap();
         assert!(exact.packed.is_none());
         assert_eq!(planned_weight_bytes(&src).mapped, info.nbytes);
+    }
+
+    /// A PTQ1_0 matrix on the serving path is packed as PQ2_0 blocks of the same values: its
+    /// products (one token row, three, and a prefill through the tiled kernel) agree with the
+    /// PTQ1_0 kernels on the stored rows to f32 rounding, since both sum the same integer
+    /// products of the same activation levels; and the planner prices the 34-byte blocks the
+    /// backend holds in place of the file's 28.
+    #[test]
+    fn serving_path_packs_ptq1_0_as_pq2_0_blocks() {
+        use crate::gguf::{Gguf, GgufWriter};
+        let (k, rows) = (1024usize, 40usize);
+        if !quant::packed::packs(GgmlType::PTQ1_0, k) {
+            eprintln!("this CPU has no packed kernel: nothing is packed");
+            return;
+        }
+        let mut seed = 0x9e37_79b9u32;
+        let mut rnd = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            (seed % 20001) as f32 / 10000.0 - 1.0
+        };
+        let w: Vec<f32> = (0..k * rows).map(|_| rnd()).collect();
+        let bytes = quant::quantize_row(GgmlType::PTQ1_0, &w).unwrap();
+        let mut gw = GgufWriter::new();
+        gw.add_tensor(
+            "m.weight",
+            &[k as u64, rows as u64],
+            GgmlType::PTQ1_0,
+            bytes,
+        );
+        let g = Arc::new(Gguf::from_bytes("ptq1_0-matrix.gguf", gw.to_bytes()).unwrap());
+        let src = WeightSource {
+            file: g.clone(),
+            info: g.tensor("m.weight").unwrap().clone(),
+            fold: None,
+            inverse: None,
+        };
+        let packed = CpuBackend::int8().upload(&src).unwrap();
+        let stored = CpuBackend::int8_unpacked().upload(&src).unwrap();
+        assert_eq!(
+            (packed.ty, packed.row_bytes, stored.ty, stored.row_bytes),
+            (
+                GgmlType::PQ2_0,
+                k / 128 * 34,
+                GgmlType::PTQ1_0,
+                k / 128 * 28
+            )
+        );
+        for n_tok in [1, 3, 40] {
+            let x: Vec<f32> = (0..n_tok * k).map(|_| rnd()).collect();
+            let (a, b) = (product(&packed, &x, true), product(&stored, &x, true));
+            // Terms of magnitude up to |x| |w| ~ 1 over 1,024 columns: f32 sums of the same
+            // integer products in another order differ by a few ulps of the partial sums.
+            for (i, (p, q)) in a.data.iter().zip(&b.data).enumerate() {
+                assert!(
+                    (p - q).abs() <= 1e-4,
+                    "{n_tok} rows, output {i}: {p} against {q}"
+                );
+            }
+        }
+        let held = CpuBackend::int8().weight_bytes(&packed);
+        assert_eq!(held, planned_weight_bytes_serving(&src));
+        assert_eq!(
+            (held.mapped, held.shared),
+            (0, (rows * k / 128 * 34) as u64)
+        );
     }
 
     /// The AVX-512 and AVX2 scans give the scalar pass's answer: the largest value and the
