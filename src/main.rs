@@ -150,7 +150,7 @@ fn pick_backend(name: BackendName, cpu_exact: bool) -> Result<Picked> {
         BackendName::Wgpu => "wgpu",
         BackendName::Cuda => "cuda",
     };
-    Ok(tern::backend::pick::pick_serving(name, cpu_exact)?)
+    Ok(tern::backend::pick::pick_serving(name, cpu_exact, true)?)
 }
 
 #[global_allocator]

@@ -320,6 +320,11 @@ fn spellings_underscores_repeats_and_negatives() {
         .notes
         .iter()
         .any(|n| n.to_string().contains("last value")));
+    // llama.cpp's repack switch sets tern's packing of the CPU's matrices.
+    let rw = flags::rewrite(&["-nr"]).unwrap();
+    assert_eq!(rw.args, ["--repack=false"]);
+    let rw = flags::rewrite(&["--repack"]).unwrap();
+    assert_eq!(rw.args, ["--repack=true"]);
     // A flag with `=`, a boolean's value, and a missing value.
     let rw = flags::rewrite(&["--port=9000", "--slots=false"]).unwrap();
     assert_eq!(rw.args, ["--port=9000", "--slots=false"]);

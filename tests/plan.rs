@@ -461,22 +461,28 @@ fn weights_match_the_real_files() {
     // The stored bytes (the CPU reads them in place) are llama.cpp's figure; tern's f32 copies
     // of the small weights are a part of their own.
     // The serving path holds its Q8_0 and PQ2_0 matrices (where the CPU packs them) as packed
-    // copies of the same bytes instead of the mapping's; the reference path (`--cpu-exact`) maps them all.
+    // copies of the same bytes instead of the mapping's; the reference path (`--cpu-exact`)
+    // and the serving path without packing (`--no-repack`) map them all.
     let l = price(model_9b(), &shape(1, 4096, KvType::F16, KvType::F16));
-    let exact = price(
-        model_9b(),
-        &Shape {
+    let packed = l.part(Term::Weights, "packed").unwrap_or(0);
+    for in_place in [
+        Shape {
             cpu_exact: true,
             ..shape(1, 4096, KvType::F16, KvType::F16)
         },
-    );
-    let packed = l.part(Term::Weights, "packed").unwrap_or(0);
-    assert_eq!(exact.part(Term::Weights, "packed"), None);
-    assert_eq!(
-        exact.part(Term::Weights, "mapped"),
-        Some(l.part(Term::Weights, "mapped").unwrap() + packed)
-    );
-    assert_eq!(exact.bytes(Term::Weights), l.bytes(Term::Weights));
+        Shape {
+            repack: false,
+            ..shape(1, 4096, KvType::F16, KvType::F16)
+        },
+    ] {
+        let exact = price(model_9b(), &in_place);
+        assert_eq!(exact.part(Term::Weights, "packed"), None);
+        assert_eq!(
+            exact.part(Term::Weights, "mapped"),
+            Some(l.part(Term::Weights, "mapped").unwrap() + packed)
+        );
+        assert_eq!(exact.bytes(Term::Weights), l.bytes(Term::Weights));
+    }
     let w = l.part(Term::Weights, "mapped").unwrap() + packed;
     let copies = l.part(Term::Weights, "allocated").unwrap();
     assert_eq!(l.bytes(Term::Weights), w + copies);

@@ -63,22 +63,22 @@ pub fn device_memory(name: &str) -> Option<Result<(u64, u64), BackendError>> {
 /// backend that cannot start is an error naming the reason. The CPU backend is the f32
 /// reference (`tern logits`, perplexity, KLD); the serving commands use [`pick_serving`].
 pub fn pick(name: &str) -> Result<Picked, BackendError> {
-    pick_with(name, true)
+    pick_with(name, true, false)
 }
 
 /// [`pick`] for `generate` and `serve`: the CPU backend runs int8 activations unless
-/// `cpu_exact` (`--cpu-exact`).
-pub fn pick_serving(name: &str, cpu_exact: bool) -> Result<Picked, BackendError> {
-    pick_with(name, cpu_exact)
+/// `cpu_exact` (`--cpu-exact`), on matrices packed at load when `repack` (`--repack`).
+pub fn pick_serving(name: &str, cpu_exact: bool, repack: bool) -> Result<Picked, BackendError> {
+    pick_with(name, cpu_exact, repack)
 }
 
-fn pick_with(name: &str, cpu_exact: bool) -> Result<Picked, BackendError> {
+fn pick_with(name: &str, cpu_exact: bool, repack: bool) -> Result<Picked, BackendError> {
     let cpu = || {
-        let be = CpuBackend::with_exact(cpu_exact);
-        let how = if cpu_exact {
-            "f32 activations (--cpu-exact)"
-        } else {
-            "int8 activations on quantized weights"
+        let be = CpuBackend::serving(cpu_exact, repack);
+        let how = match (cpu_exact, repack) {
+            (true, _) => "f32 activations (--cpu-exact)",
+            (false, true) => "int8 activations on quantized weights",
+            (false, false) => "int8 activations on quantized weights read in place (--no-repack)",
         };
         tracing::debug!(target: "tern::backend", "cpu matmuls: {how}");
         be

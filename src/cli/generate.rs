@@ -65,7 +65,8 @@ pub fn run(args: &GenerateArgs, given: Rewritten) -> Result<()> {
         seed: fixed.unwrap_or_else(crate::server::request::random_seed),
         ..sampler
     };
-    let picked = crate::backend::pick::pick_serving(s.backend_kind().name(), s.cpu_exact())?;
+    let picked =
+        crate::backend::pick::pick_serving(s.backend_kind().name(), s.cpu_exact(), s.repack())?;
     let mut shape = s.shape();
     shape.ctx_size = boot::settle_pool(
         s.ctx_size.or(s

@@ -328,7 +328,7 @@ pub const OPTIONS: &[Opt] = &[
         warn("the KV cache always lives with the weights on the backend's device"),
         refuse("tern cannot keep the KV cache in host memory beside a device backend; use --backend cpu to run everything on the CPU"),
     ),
-    pair_how(&["--repack"], &["-nr", "--no-repack"], Some("LLAMA_ARG_REPACK"), warn("tern lays weights out for its own kernels at load"), warn("tern lays weights out for its own kernels at load")),
+    pair(&["--repack"], &["-nr", "--no-repack"], Some("LLAMA_ARG_REPACK"), "repack"),
     other(&["--no-host"], S, Some("LLAMA_ARG_NO_HOST"), warn("tern has no host buffer types to bypass")),
     val(&["-ctk", "--cache-type-k"], Some("LLAMA_ARG_CACHE_TYPE_K"), "cache-type-k"),
     val(&["-ctv", "--cache-type-v"], Some("LLAMA_ARG_CACHE_TYPE_V"), "cache-type-v"),

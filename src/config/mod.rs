@@ -582,6 +582,12 @@ pub struct Settings {
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_exact: Option<bool>,
+    /// Whether the CPU serving path lays Q8_0, PQ2_0 and PTQ1_0 matrices out once at load for
+    /// its int8 kernels (default true; `--no-repack` reads every weight in place from the file,
+    /// the smallest footprint: a packed PTQ1_0 matrix takes 34 bytes a block for the file's 28).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL", value_parser = bool_arg)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub repack: Option<bool>,
     /// The device memory budget in MiB (the driver's free figure); required for wgpu until tern
     /// queries it.
     #[arg(long)]
@@ -1053,6 +1059,11 @@ impl Settings {
         self.cpu_exact.unwrap_or(false)
     }
 
+    /// Whether the CPU serving path packs its matrices at load (`--repack`, default true).
+    pub fn repack(&self) -> bool {
+        self.repack.unwrap_or(true)
+    }
+
     /// The backend: `--backend`, or the CPU for `-ngl 0`, or auto.
     pub fn backend_kind(&self) -> BackendKind {
         match (self.backend, self.n_gpu_layers) {
@@ -1088,6 +1099,7 @@ impl Settings {
             lora: self.adapters().into_iter().map(|l| l.path).collect(),
             backend: self.backend_kind(),
             cpu_exact: self.cpu_exact(),
+            repack: self.repack(),
             margin_mib: self.margin_mib.unwrap_or(d.margin_mib),
         }
     }
@@ -1454,6 +1466,9 @@ pub fn default_of(key: &str) -> &'static str {
         "log-colors" => "auto",
         "backend" => "auto",
         "cpu-exact" => "false (int8 activations on quantized weights)",
+        "repack" => {
+            "true (Q8_0, PQ2_0 and PTQ1_0 matrices packed at load for the CPU's int8 kernels)"
+        }
         "margin-mib" => "1024",
         "max-body-mb" => "32",
         "drain-timeout" => "30",

@@ -218,6 +218,9 @@ pub struct Shape {
     /// The CPU's f32 reference path (`--cpu-exact`), which keeps every weight in the mapping;
     /// the serving path packs Q8_0, PQ2_0 and PTQ1_0 matrices (`quant::packed`).
     pub cpu_exact: bool,
+    /// Whether the serving path packs its matrices (`--repack`, default true); without it, or
+    /// with `cpu_exact`, the CPU reads every weight in place from the mapping.
+    pub repack: bool,
     /// MiB kept free on the device beyond the priced total.
     pub margin_mib: u64,
 }
@@ -242,12 +245,18 @@ impl Default for Shape {
             lora: Vec::new(),
             backend: BackendKind::Auto,
             cpu_exact: false,
+            repack: true,
             margin_mib: DEFAULT_MARGIN_MIB,
         }
     }
 }
 
 impl Shape {
+    /// Whether the CPU holds packed copies of its matrices: the serving path with `repack`.
+    pub fn packs_weights(&self) -> bool {
+        self.repack && !self.cpu_exact
+    }
+
     /// Tokens per slot. Meaningful once `validate` has passed.
     pub fn n_ctx_slot(&self) -> u64 {
         self.ctx_size.checked_div(self.parallel).unwrap_or(0)

@@ -266,14 +266,12 @@ fn cuda_rule(w: &WeightSource) -> WeightBytes {
 }
 
 /// The backend's rule for what one weight takes: the file's bytes in place on the CPU (its
-/// serving path's packed copies of Q8_0 matrices unless `cpu_exact`), device copies on a GPU,
+/// serving path's packed copies of Q8_0, PQ2_0 and PTQ1_0 matrices when `packs`), device copies on a GPU,
 /// plus the decoded copies of small weights and the sign vectors of folded ones (a backend
 /// not yet chosen is priced as the CPU).
-fn weight_rule(backend: BackendKind, cpu_exact: bool) -> fn(&WeightSource) -> WeightBytes {
+fn weight_rule(backend: BackendKind, packs: bool) -> fn(&WeightSource) -> WeightBytes {
     match backend {
-        BackendKind::Cpu | BackendKind::Auto if cpu_exact => {
-            crate::backend::cpu::planned_weight_bytes
-        }
+        BackendKind::Cpu | BackendKind::Auto if !packs => crate::backend::cpu::planned_weight_bytes,
         BackendKind::Cpu | BackendKind::Auto => crate::backend::cpu::planned_weight_bytes_serving,
         BackendKind::Wgpu => wgpu_rule,
         BackendKind::Cuda => cuda_rule,
@@ -282,12 +280,13 @@ fn weight_rule(backend: BackendKind, cpu_exact: bool) -> fn(&WeightSource) -> We
 
 /// The weights the loader takes for `backend`, walking the tensor table as loading does (a
 /// tied output is priced twice on a GPU, where it is uploaded twice; the reduced draft head,
-/// loaded when `drafting`, is priced as its own upload).
+/// loaded when `drafting`, is priced as its own upload). `packs`: the CPU's serving path
+/// with its packed matrices (`Shape::packs_weights`).
 pub fn weight_tally(
     g: &Arc<Gguf>,
     cfg: &Config,
     backend: BackendKind,
-    cpu_exact: bool,
+    packs: bool,
     drafting: bool,
 ) -> Result<WeightTally, PlanError> {
     let had = HadamardConfig::from_gguf(g)
@@ -295,7 +294,7 @@ pub fn weight_tally(
         .map(Arc::new);
     let draft = crate::model::draft_vocab(cfg.n_vocab, drafting);
     let priced = Weights::load(
-        &Pricer(weight_rule(backend, cpu_exact)),
+        &Pricer(weight_rule(backend, packs)),
         g,
         cfg,
         had.as_ref(),
@@ -308,7 +307,7 @@ pub fn weight_tally(
 
 fn weights(g: &Arc<Gguf>, cfg: &Config, shape: &Shape) -> Result<Line, PlanError> {
     let backend = shape.backend;
-    let t = weight_tally(g, cfg, backend, shape.cpu_exact, shape.drafting())?;
+    let t = weight_tally(g, cfg, backend, shape.packs_weights(), shape.drafting())?;
     let mut by_type: std::collections::BTreeMap<&str, (u64, u64)> = Default::default();
     for t in g.tensors() {
         let e = by_type.entry(t.ty.name()).or_default();
@@ -371,7 +370,7 @@ fn projector(p: &Path, cfg: &Config, shape: &Shape) -> Result<(Line, Line), Plan
             source,
         })
     })?;
-    let rule = Pricer(weight_rule(shape.backend, shape.cpu_exact));
+    let rule = Pricer(weight_rule(shape.backend, shape.packs_weights()));
     let (mut vcfg, priced) = vision::upload_weights(&rule, &file, cfg.n_embd).map_err(err)?;
     let limit = |t: Option<u64>| t.map(|t| usize::try_from(t).unwrap_or(usize::MAX));
     vcfg.set_token_limits(limit(shape.image_min_tokens), limit(shape.image_max_tokens))
@@ -442,7 +441,7 @@ fn lora(
     shape: &Shape,
 ) -> Result<(Line, compute::LoraLoad), PlanError> {
     use crate::model::lora::Site;
-    let rule = Pricer(weight_rule(shape.backend, shape.cpu_exact));
+    let rule = Pricer(weight_rule(shape.backend, shape.packs_weights()));
     let mut parts = Vec::new();
     let mut pairs = 0;
     let mut load = compute::LoraLoad::default();

@@ -557,7 +557,8 @@ pub fn prepare(settings: Settings) -> Result<Prepared> {
     );
     let template = chat_template(&s, &model.file)?;
     let projector = open_projector(&s, mcfg.n_embd, &tok)?;
-    let picked = crate::backend::pick::pick_serving(s.backend_kind().name(), s.cpu_exact())?;
+    let picked =
+        crate::backend::pick::pick_serving(s.backend_kind().name(), s.cpu_exact(), s.repack())?;
     let shape = settled_shape(&s, mcfg.context_length as u64, picked_kind(&picked))?;
     let ledger = boot::plan(&model.file, &shape, s.device_mib, &model.path)?;
     let ecfg = boot::engine_config(&shape, &s);

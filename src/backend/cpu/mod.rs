@@ -78,9 +78,9 @@ impl CpuBackend {
         CpuBackend::with(true, false)
     }
 
-    /// `int8` unless `exact`.
-    pub fn with_exact(exact: bool) -> Self {
-        CpuBackend::with(!exact, !exact)
+    /// `int8` unless `exact`; `int8_unpacked` unless `repack`.
+    pub fn serving(exact: bool, repack: bool) -> Self {
+        CpuBackend::with(!exact, !exact && repack)
     }
 
     /// The packed copy of `w`'s rows, made on its first use. A use that asks for fewer rows of
