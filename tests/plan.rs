@@ -60,6 +60,8 @@ struct Geo {
     ab: GgmlType,
     /// Matmul type of the MTP block.
     mtp_ty: GgmlType,
+    /// Type of the trunk's matrices, the embedding table and the output head.
+    ty: GgmlType,
 }
 
 const B9: Geo = Geo {
@@ -80,6 +82,7 @@ const B9: Geo = Geo {
     ctx: 262_144,
     ab: GgmlType::F32,
     mtp_ty: GgmlType::Q8_0,
+    ty: GgmlType::PQ2_0,
 };
 
 const B27: Geo = Geo {
@@ -100,6 +103,7 @@ const B27: Geo = Geo {
     ctx: 262_144,
     ab: GgmlType::F16,
     mtp_ty: GgmlType::Q8_0,
+    ty: GgmlType::PQ2_0,
 };
 
 /// A small file whose metadata declares an MTP layer that has no tensors.
@@ -121,6 +125,7 @@ const GHOST: Geo = Geo {
     ctx: 4096,
     ab: GgmlType::F32,
     mtp_ty: GgmlType::Q8_0,
+    ty: GgmlType::PQ2_0,
 };
 
 fn dir() -> PathBuf {
@@ -168,7 +173,7 @@ fn write_model(g: &Geo) -> PathBuf {
         w.set(&format!("{a}.nextn_predict_layers"), Value::U32(1));
     }
     let (e, v, ff) = (g.n_embd, g.vocab, g.n_ff);
-    let pq = GgmlType::PQ2_0;
+    let pq = g.ty;
     let f32 = GgmlType::F32;
     w.add_sparse("token_embd.weight", &[e, v], pq);
     for il in 0..blocks {
@@ -281,6 +286,16 @@ fn write_mmproj(name: &str, t: &Tower, n_embd: u64) -> PathBuf {
 fn model_9b() -> &'static Path {
     static P: OnceLock<PathBuf> = OnceLock::new();
     P.get_or_init(|| write_model(&B9))
+}
+/// The 9B geometry with PTQ1_0 matrices (a file name seen in the wild; its layout assumed).
+fn model_9b_ptq1_0() -> &'static Path {
+    const B9T: Geo = Geo {
+        name: "Ternary-Bonsai-2-9B-PTQ1_0-MTP",
+        ty: GgmlType::PTQ1_0,
+        ..B9
+    };
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| write_model(&B9T))
 }
 fn model_27b() -> &'static Path {
     static P: OnceLock<PathBuf> = OnceLock::new();
@@ -763,6 +778,54 @@ fn refusal_lists_the_cheapest_changes_repriced() {
     let fits: Vec<_> = f.suggestions.iter().take_while(|x| x.fits).collect();
     assert!(fits.windows(2).all(|w| w[0].saving <= w[1].saving));
     assert!(f.suggestions[fits.len()..].iter().all(|x| !x.fits));
+}
+
+/// Where the CPU packs (AVX-512 VNNI), a PTQ1_0 file's matrices are held as PQ2_0 blocks, 34
+/// bytes for each 28 of the file; `--no-repack` prices them in place, and a refusal that only
+/// the packed copies cause names it, re-priced.
+#[test]
+fn packed_ptq1_0_is_priced_and_no_repack_is_offered() {
+    let g = open(model_9b_ptq1_0());
+    let s = shape(1, 4096, KvType::F16, KvType::F16);
+    let packed = price(model_9b_ptq1_0(), &s);
+    let in_place_shape = Shape {
+        repack: false,
+        ..s.clone()
+    };
+    let in_place = price(model_9b_ptq1_0(), &in_place_shape);
+    assert_eq!(in_place.part(Term::Weights, "packed"), None);
+    if packed.part(Term::Weights, "packed").is_none() {
+        eprintln!("this CPU does not pack: nothing more to compare");
+        return;
+    }
+    let ternary: u64 = g
+        .tensors()
+        .iter()
+        .filter(|t| t.ty == GgmlType::PTQ1_0)
+        .map(|t| t.nbytes)
+        .sum();
+    assert!(ternary > 0);
+    assert_eq!(
+        packed.bytes(Term::Weights) - in_place.bytes(Term::Weights),
+        ternary / 28 * 6
+    );
+    let roomy = Budget::mib(1 << 30);
+    let need = fit(&g, &in_place_shape, &roomy).unwrap().verdict.needed;
+    let budget = Budget::mib(need.div_ceil(MIB));
+    let f = fit(&g, &s, &budget).unwrap();
+    assert!(!f.verdict.fits, "{}", f.table());
+    let x = f
+        .suggestions
+        .iter()
+        .find(|x| x.flags == "--no-repack")
+        .unwrap_or_else(|| panic!("no --no-repack in {}", f.table()));
+    assert!(x.fits && !x.shape.repack);
+    assert_eq!(x.saving, ternary / 28 * 6);
+    // A PQ2_0 file packs into its own bytes: nothing to offer.
+    let g9 = open(model_9b());
+    let need = fit(&g9, &s, &roomy).unwrap().verdict.needed;
+    let f = fit(&g9, &s, &Budget::mib(need / MIB - 1)).unwrap();
+    assert!(f.suggestions.iter().all(|x| x.flags != "--no-repack"));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -291,6 +291,13 @@ fn suggest(
         s.lora.clear();
         cands.push(("no LoRA adapter".into(), "drop --lora-scaled".into(), s));
     }
+    // Packed PTQ1_0 matrices take 34 bytes a block for the file's 28 (the others pack into
+    // the same bytes, so this saves nothing for them and is dropped below).
+    if shape.packs_weights() {
+        let mut s = shape.clone();
+        s.repack = false;
+        cands.push(("weights read in place".into(), "--no-repack".into(), s));
+    }
 
     let mut out: Vec<Suggestion> = cands
         .into_iter()
