@@ -924,16 +924,13 @@ fn decode_codes(ty: GgmlType, row: &[u8], codes: &mut [u8], dw: &mut [f32]) {
             }
         }
         GgmlType::PTQ1_0 => {
-            let mut w = [0.0f32; 128];
             for ((b, c), d) in row
                 .chunks_exact(28)
                 .zip(codes.chunks_exact_mut(128))
                 .zip(dw)
             {
-                *d = super::ptq1_0::decode(b.try_into().expect("PTQ1_0 block"), &mut w);
-                for (c, &l) in c.iter_mut().zip(&w) {
-                    *c = (l + 1.0) as u8;
-                }
+                *d = le_f16(b, 26);
+                c.copy_from_slice(&super::ptq1_0::codes(b.try_into().expect("PTQ1_0 block")));
             }
         }
         ty => unreachable!("Panel::decode admits no {ty}"),

@@ -98,6 +98,11 @@ pub fn packed_row_bytes(ty: GgmlType, k: usize) -> usize {
     row_bytes(packed_type(ty), k)
 }
 
+/// Bytes of the packed copy of `stored` bytes of whole `ty` rows of `k` columns.
+pub fn packed_len(ty: GgmlType, k: usize, stored: usize) -> usize {
+    stored / row_bytes(ty, k) * packed_row_bytes(ty, k)
+}
+
 /// Packs stored `ty` rows of `k` columns (`src`, whole rows) into `dst`, one packed row of
 /// [`packed_row_bytes`] per stored row.
 pub fn pack_rows(ty: GgmlType, src: &[u8], k: usize, dst: &mut [u8]) {
@@ -134,12 +139,9 @@ fn ptq1_0_as_pq2_0(src: &[u8], dst: &mut [u8]) {
         .zip(dst.chunks_exact_mut(pq2_0::BYTES))
     {
         d[..2].copy_from_slice(&s[26..28]);
-        let codes = &mut d[2..];
-        codes.fill(0);
-        for e in 0..ptq1_0::QK {
-            let (byte, n) = ptq1_0::place(e);
-            let t = ((s[byte].wrapping_mul(ptq1_0::POW3[n]) as u16 * 3) >> 8) as u8;
-            codes[e / 4] |= t << (2 * (e % 4));
+        let trits = ptq1_0::codes(s.try_into().expect("PTQ1_0 block"));
+        for (byte, quad) in d[2..].iter_mut().zip(trits.chunks_exact(4)) {
+            *byte = quad.iter().enumerate().map(|(i, &t)| t << (2 * i)).sum();
         }
     }
 }

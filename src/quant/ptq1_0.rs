@@ -26,10 +26,24 @@ pub(crate) const fn place(e: usize) -> (usize, usize) {
     }
 }
 
+/// Trit `n` (0, 1 or 2) of a byte, for any byte value.
+#[inline(always)]
+fn trit_code(byte: u8, n: usize) -> u8 {
+    let q = byte.wrapping_mul(POW3[n]);
+    ((q as u16 * 3) >> 8) as u8
+}
+
 #[inline(always)]
 fn trit(byte: u8, n: usize) -> f32 {
-    let q = byte.wrapping_mul(POW3[n]);
-    ((q as u16 * 3) >> 8) as f32
+    trit_code(byte, n) as f32
+}
+
+/// The block's 128 trits (levels + 1) in element order.
+pub(crate) fn codes(b: &[u8; BYTES]) -> [u8; QK] {
+    std::array::from_fn(|e| {
+        let (byte, n) = place(e);
+        trit_code(b[byte], n)
+    })
 }
 
 /// Writes the block's levels (-1, 0, +1) into `w` and returns its scale.

@@ -91,8 +91,7 @@ impl CpuBackend {
         let bytes = w.bytes();
         let key = bytes.as_ptr() as usize;
         let mut map = self.packed.lock().unwrap_or_else(|e| e.into_inner());
-        let want = bytes.len() / w.info.row_bytes() as usize
-            * quant::packed::packed_row_bytes(w.info.ty, ne0);
+        let want = quant::packed::packed_len(w.info.ty, ne0, bytes.len());
         if let Some(p) = map.get(&key).and_then(Weak::upgrade) {
             if p.len() >= want {
                 return p;
@@ -100,7 +99,7 @@ impl CpuBackend {
         }
         let rb = w.info.row_bytes() as usize;
         let pb = quant::packed::packed_row_bytes(w.info.ty, ne0);
-        let mut p = quant::packed::AlignedBytes::zeroed(bytes.len() / rb * pb);
+        let mut p = quant::packed::AlignedBytes::zeroed(want);
         let rows_per_task = (INT8_TASK_BYTES / rb).max(1);
         p.as_mut_slice()
             .par_chunks_mut(rows_per_task * pb)
@@ -803,10 +802,8 @@ fn planned(w: &WeightSource, pack: bool) -> super::WeightBytes {
         (true, false) => f32s,
         (true, true) => f32s.saturating_mul(2),
     };
-    let packed = (pack && packs(w)).then(|| {
-        let rb = w.info.row_bytes().max(1);
-        w.info.nbytes / rb * quant::packed::packed_row_bytes(w.info.ty, ne0) as u64
-    });
+    let packed = (pack && packs(w))
+        .then(|| quant::packed::packed_len(w.info.ty, ne0, w.info.nbytes as usize) as u64);
     super::WeightBytes {
         tensor: w.info.name.clone(),
         mapped: if packed.is_some() { 0 } else { w.info.nbytes },
