@@ -693,10 +693,17 @@ bench-0.8b decode shapes, 1 to 4 activation rows, ~1 MiB of rows in L2, GB/s"
         }
         // The serving path's copy of a Q8_0 or PQ2_0 matrix, repacked at load (`quant::packed`): its
         // span kernels for 1 to 4 activation rows (it has no per-row entry point).
+        // A PTQ1_0 matrix packs as PQ2_0 blocks (34 bytes a block for 28): its row is read with
+        // PQ2_0's activations, and its GB/s are of the packed bytes, the bytes it streams.
         if tern::quant::packed::packs(ty, cols) {
             use tern::quant::packed;
-            let mut p = vec![0u8; m.len()];
+            let mut p = vec![0u8; packed::packed_len(ty, cols, m.len())];
             packed::pack_rows(ty, &m, cols, &mut p);
+            let pty = packed::packed_type(ty);
+            let (acts, acts4) = (
+                QActs::quantize(pty, &x, cols),
+                QActs::quantize(pty, &x4, cols),
+            );
             let spans: Vec<f64> = (1..=4)
                 .map(|n| {
                     let mut out = vec![0f32; rows * n];
@@ -709,7 +716,7 @@ bench-0.8b decode shapes, 1 to 4 activation rows, ~1 MiB of rows in L2, GB/s"
                     })
                 })
                 .collect();
-            let gb = 10.0 * m.len() as f64 / 1e9;
+            let gb = 10.0 * p.len() as f64 / 1e9;
             println!(
                 "{:<8} {:>6} {:>12} {:>10} {:>10.2} {:>7} {:>10} {:>8.2} {:>8.2} {:>8.2}",
                 ty.name(),
