@@ -37,7 +37,7 @@ trait StateRead: Backend {
 
 impl StateRead for CpuBackend {
     fn state(&self, rs: &Self::Rs) -> (Vec<f32>, Vec<f32>) {
-        (rs.conv.clone(), rs.ssm.clone())
+        (rs.conv.clone(), rs.ssm.to_vec())
     }
 }
 

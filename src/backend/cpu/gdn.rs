@@ -68,6 +68,22 @@ pub(super) fn gdn_batch(
     w: &Weights<'_>,
     seqs: &mut [Seq<'_>],
 ) -> Tensor {
+    gdn_batch_with(p, mixed, z, b, a, w, seqs, true)
+}
+
+/// [`gdn_batch`], with the cells' streaming stores allowed or not (`stream_cells`: the same
+/// values either way, which a test checks).
+#[allow(clippy::too_many_arguments)]
+fn gdn_batch_with(
+    p: &GdnParams,
+    mixed: &Tensor,
+    z: &Tensor,
+    b: &Tensor,
+    a: &Tensor,
+    w: &Weights<'_>,
+    seqs: &mut [Seq<'_>],
+    stream_cells: bool,
+) -> Tensor {
     let (cd, d, dd) = (p.conv_dim(), p.d, p.d * p.d);
     assert_eq!(mixed.cols, cd);
     let total: usize = seqs.iter().map(|s| s.rows).sum();
@@ -96,6 +112,17 @@ pub(super) fn gdn_batch(
     }
     let n_rows: Vec<usize> = seqs.iter().map(|s| s.rows).collect();
     let out_of_place: Vec<bool> = seqs.iter().map(|s| s.cells.is_some()).collect();
+    // Whole-line streaming stores need every row of a cell's heads on a 64-byte boundary.
+    let stream: Vec<bool> = seqs
+        .iter()
+        .map(|s| {
+            let lines = |c: &Recurrent| (c.ssm.as_ptr() as usize).is_multiple_of(64);
+            stream_cells
+                && s.rows > 1
+                && d.is_multiple_of(32)
+                && s.cells.as_ref().is_some_and(|c| c.iter().all(lines))
+        })
+        .collect();
     // Each task owns one V head's slice of a sequence's buffers: [live, cell 0, cell 1, ..].
     struct Task<'s> {
         seq: usize,
@@ -172,6 +199,7 @@ pub(super) fn gdn_batch(
                     u: &u[off * cd..(off + m) * cd],
                     n: n_rows[i],
                     out_of_place: out_of_place[i],
+                    stream_cells: stream[i],
                 };
                 head_scan(p, task.j, &rows, z, b, a, w, &mut task.bufs, &mut y);
                 Some((starts[i] + t0, task.j, y))
@@ -335,6 +363,9 @@ struct Rows<'a> {
     u: &'a [f32],
     n: usize,
     out_of_place: bool,
+    /// Out of place with cells on 64-byte lines: the AVX-512 sweep may stream the cells (see
+    /// `head_scan_body`).
+    stream_cells: bool,
 }
 
 /// V head `j` over `rows`: the delta rule on its state (`S[i][j']`, j' fastest; `bufs` is
@@ -534,13 +565,17 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
 /// decode step), so a step's GDN cores ran at 18-21 GB/s of state, in cache as from memory.
 ///
 /// # Safety
-/// As `sweep`, and the CPU has AVX-512 F.
+/// As `sweep`, and the CPU has AVX-512 F. `cell`, unless null, is a third `d * d` buffer on
+/// 64-byte lines (and `d` a multiple of 16) that gets a copy of what `dst` gets, by streaming
+/// stores.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 #[inline]
+#[allow(clippy::too_many_arguments)]
 unsafe fn sweep32_avx512(
     src: *const f32,
     dst: *mut f32,
+    cell: *mut f32,
     d: usize,
     c0: usize,
     tok: &Token<'_>,
@@ -594,6 +629,9 @@ unsafe fn sweep32_avx512(
             oa[h] = _mm512_fmadd_ps(row, qi, oa[h]);
             kn[h] = _mm512_fmadd_ps(row, kni, kn[h]);
             _mm512_storeu_ps(t.add(i * d + 16 * h), row);
+            if !cell.is_null() {
+                _mm512_stream_ps(cell.add(c0 + i * d + 16 * h), row);
+            }
         }
     }
     for h in 0..2 {
@@ -642,6 +680,19 @@ fn head_scan_body<const FMA: bool, const AVX512: bool>(
     for buf in bufs.iter() {
         assert_eq!(buf.len(), d * d, "a head's state is d x d");
     }
+    // Out of place, each row but the last writes a cell that the next row reads at once and
+    // nothing else reads before a rollback. The cells are cold (a step's weights stream
+    // through the caches between two rounds), so a plain store first reads each line of the
+    // cell from memory, then writes it back: two state's worth of traffic per cell on top of
+    // the live state's read and write-back. With the AVX-512 sweep the rows run on a scratch
+    // copy of the head instead, which stays in cache, and the sweep copies each row's state
+    // into its cell by streaming stores, which write whole lines without reading them.
+    let stream = AVX512 && rows.stream_cells;
+    let mut scratch = if stream {
+        vec![0f32; d * d]
+    } else {
+        Vec::new()
+    };
     // kv = S_oldᵀ k of the token being swept (the first token's is summed in its sweep).
     let mut kv = vec![0f32; d];
     let mut kv_next = vec![0f32; d];
@@ -660,24 +711,38 @@ fn head_scan_body<const FMA: bool, const AVX512: bool>(
         };
         let o = &mut y[t * d..(t + 1) * d];
         let (si, di) = (src_of(at), dst_of(at));
-        let dst = bufs[di].as_mut_ptr();
-        let src = if si == di {
+        let (mut dst, mut cell) = (bufs[di].as_mut_ptr(), std::ptr::null_mut());
+        let mut src = if si == di {
             dst.cast_const()
         } else {
             bufs[si].as_ptr()
         };
+        if stream {
+            // The call's first row reads its state where it lies; each row after it reads the
+            // scratch copy the row before it left.
+            if t > 0 {
+                src = scratch.as_ptr();
+            }
+            if di != 0 {
+                (dst, cell) = (scratch.as_mut_ptr(), dst);
+            }
+        }
         // Columns in blocks of COLS, so that δ, o and the next kv of a block stay in
         // registers while the sweep runs down the rows; then the leftover columns.
         let full = d / COLS * COLS;
+        // Only the AVX-512 sweep streams (`stream` is false elsewhere).
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = cell;
         // SAFETY: every buffer holds d * d values (checked above); src and dst are one buffer
-        // or two distinct ones of `bufs`.
+        // or two distinct ones of `bufs` and the scratch; `cell`, when not null, is a buffer
+        // of `bufs` on 64-byte lines (`stream_cells`) distinct from both, d a multiple of 32.
         unsafe {
             for c0 in (0..full).step_by(COLS) {
                 // AVX512 is set only by `head_scan_avx512`, after the feature check.
                 #[cfg(target_arch = "x86_64")]
                 if AVX512 {
                     const { assert!(COLS == 32) };
-                    sweep32_avx512(src, dst, d, c0, &tok, o, &mut kv_next);
+                    sweep32_avx512(src, dst, cell, d, c0, &tok, o, &mut kv_next);
                     continue;
                 }
                 sweep::<FMA, COLS>(src, dst, d, c0, &tok, o, &mut kv_next);
@@ -693,6 +758,13 @@ fn head_scan_body<const FMA: bool, const AVX512: bool>(
         for ((ov, &g), &zv) in o.iter_mut().zip(w.norm).zip(zj) {
             *ov = *ov * sc * g * silu(zv);
         }
+    }
+    // Streaming stores are weakly ordered: fence them before another thread may read the
+    // cells (the next chunk's task for this head, a rollback).
+    #[cfg(target_arch = "x86_64")]
+    if stream {
+        // SAFETY: SSE is part of x86_64.
+        unsafe { std::arch::x86_64::_mm_sfence() };
     }
 }
 
@@ -744,7 +816,16 @@ mod tests {
                         // SAFETY: both buffers hold d * d values; AVX-512 F checked above.
                         unsafe {
                             if wide {
-                                sweep32_avx512(sp, dp, d, c0, &tok, &mut o, &mut kvn);
+                                sweep32_avx512(
+                                    sp,
+                                    dp,
+                                    std::ptr::null_mut(),
+                                    d,
+                                    c0,
+                                    &tok,
+                                    &mut o,
+                                    &mut kvn,
+                                );
                             } else {
                                 sweep::<true, 32>(sp, dp, d, c0, &tok, &mut o, &mut kvn);
                             }
@@ -820,7 +901,7 @@ mod tests {
         let (mixed, z, b, a) = (&c.mixed, &c.z, &c.b, &c.a);
         let fresh = |seed: usize| Recurrent {
             conv: tensor(1, p.conv_state_len(), 20 + seed).data,
-            ssm: tensor(1, p.ssm_state_len(), 30 + seed).data,
+            ssm: tensor(1, p.ssm_state_len(), 30 + seed).data.into(),
         };
         let slice = |t: &Tensor, r0: usize, m: usize| Tensor {
             data: t.data[r0 * t.cols..(r0 + m) * t.cols].to_vec(),
@@ -893,6 +974,57 @@ mod tests {
         }
     }
 
+    /// A snapshot batch (a verify batch's rows, out of place) keeps the state after each row:
+    /// with the cells streamed from a scratch copy (the AVX-512 sweep) the outputs, the live
+    /// state and every cell are the bits of the plain stores, and each cell is the state that
+    /// feeding the rows one by one leaves after its row. Longer than a chunk, so a chunk's
+    /// first row reads a streamed cell.
+    #[test]
+    fn snapshot_rows_stream_their_cells_with_the_same_values() {
+        let n = CHUNK + 3;
+        let c = Small::new(n, 5);
+        let (p, w) = (&c.p, c.weights());
+        let (mixed, z, b, a) = (&c.mixed, &c.z, &c.b, &c.a);
+        let fresh = || Recurrent {
+            conv: tensor(1, p.conv_state_len(), 40).data,
+            ssm: tensor(1, p.ssm_state_len(), 41).data.into(),
+        };
+        let run = |stream: bool| {
+            let mut live = fresh();
+            let mut cells: Vec<Recurrent> = (0..n - 1).map(|_| fresh()).collect();
+            let mut seqs = [Seq {
+                rows: n,
+                state: &mut live,
+                cells: Some(&mut cells[..]),
+            }];
+            let y = gdn_batch_with(p, mixed, z, b, a, &w, &mut seqs, stream).data;
+            (y, live, cells)
+        };
+        let (y, live, cells) = run(true);
+        let (y0, live0, cells0) = run(false);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert!(bits(&y) == bits(&y0), "outputs");
+        assert!(bits(&live.ssm) == bits(&live0.ssm), "live state");
+        assert_eq!(live.conv, live0.conv);
+        for (t, (c, c0)) in cells.iter().zip(&cells0).enumerate() {
+            assert!(bits(&c.ssm) == bits(&c0.ssm), "cell {t}");
+            assert_eq!(c.conv, c0.conv, "cell {t}'s conv");
+        }
+        let mut st = fresh();
+        let row = |t: &Tensor, i: usize| Tensor {
+            data: t.row(i).to_vec(),
+            rows: 1,
+            cols: t.cols,
+        };
+        for (i, c) in cells.iter().enumerate() {
+            let (m, zz, bb, aa) = (row(mixed, i), row(z, i), row(b, i), row(a, i));
+            gdn(p, &m, &zz, &bb, &aa, &w, &mut st);
+            let e = crate::backend::nmse(&c.ssm, &st.ssm);
+            assert!(e < 1e-12, "cell {i}: nmse {e}");
+            assert_eq!(c.conv, st.conv, "cell {i}'s conv");
+        }
+    }
+
     /// A batch longer than a chunk gives the outputs and state of feeding it token by token.
     #[test]
     fn batch_across_chunks_matches_token_by_token() {
@@ -902,7 +1034,7 @@ mod tests {
         let (mixed, z, b, a) = (&c.mixed, &c.z, &c.b, &c.a);
         let fresh = || Recurrent {
             conv: vec![0.1; p.conv_state_len()],
-            ssm: vec![0.01; p.ssm_state_len()],
+            ssm: vec![0.01; p.ssm_state_len()].into(),
         };
         let mut batch_st = fresh();
         let batch = gdn(p, mixed, z, b, a, &w, &mut batch_st);

@@ -531,7 +531,70 @@ pub struct Recurrent {
     /// The last `d_conv - 1` raw conv inputs, oldest first, `[d_conv-1][conv_dim]`.
     pub conv: Vec<f32>,
     /// Per V head `S[i=k][j=v]`, v fastest.
-    pub ssm: Vec<f32>,
+    pub ssm: Lines,
+}
+
+/// f32 values from a 64-byte boundary on: a GDN state, so that each head (`d x d`, 64 KiB at
+/// `d` = 128) and each of its rows start a cache line, and a verify batch's cells can be
+/// written in whole lines by streaming stores (`gdn::head_scan_body`).
+#[derive(Clone)]
+pub struct Lines {
+    buf: Vec<Line>,
+    len: usize,
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+impl Lines {
+    pub fn zeroed(len: usize) -> Lines {
+        Lines {
+            buf: vec![Line([0.0; 16]); len.div_ceil(16)],
+            len,
+        }
+    }
+}
+
+impl From<&[f32]> for Lines {
+    fn from(v: &[f32]) -> Lines {
+        let mut l = Lines::zeroed(v.len());
+        l.copy_from_slice(v);
+        l
+    }
+}
+
+impl From<Vec<f32>> for Lines {
+    fn from(v: Vec<f32>) -> Lines {
+        Lines::from(&v[..])
+    }
+}
+
+impl std::ops::Deref for Lines {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        // SAFETY: `buf` holds at least `len` initialized f32s; `Line` is plain f32s.
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<f32>(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for Lines {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as `deref`, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast::<f32>(), self.len) }
+    }
+}
+
+impl PartialEq for Lines {
+    fn eq(&self, other: &Lines) -> bool {
+        self[..] == other[..]
+    }
+}
+
+impl std::fmt::Debug for Lines {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self[..].fmt(f)
+    }
 }
 
 /// Elements per rayon task in elementwise ops: below this a split costs more than it saves.
@@ -1273,7 +1336,7 @@ impl Backend for CpuBackend {
     fn new_recurrent(&self, p: &GdnParams) -> Recurrent {
         Recurrent {
             conv: vec![0.0; p.conv_state_len()],
-            ssm: vec![0.0; p.ssm_state_len()],
+            ssm: Lines::zeroed(p.ssm_state_len()),
         }
     }
 
