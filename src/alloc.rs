@@ -2,6 +2,8 @@
 //! ledger measures its compute term as the heap's peak growth over the warm-up step. The
 //! binary installs it (`#[global_allocator]`); a program that does not gets `None` from
 //! [`peak_since`].
+//!
+//! Also [`Lines`], a buffer that starts on a cache line.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -74,4 +76,73 @@ pub fn peak_since(m: Mark) -> Option<u64> {
     INSTALLED
         .load(Ordering::Relaxed)
         .then(|| PEAK.load(Ordering::Relaxed).saturating_sub(m.0) as u64)
+}
+
+/// Plain values from a 64-byte boundary on: a packed matrix (`Lines<u8>`, so that rows whose
+/// length is a multiple of 64 start each group on a cache line) or a GDN state (`Lines<f32>`,
+/// so that each head and each of its rows start a line, and a verify batch's cells can be
+/// written in whole lines by streaming stores).
+#[derive(Clone)]
+pub struct Lines<T> {
+    buf: Vec<Line>,
+    len: usize,
+    of: std::marker::PhantomData<T>,
+}
+
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+impl<T: bytemuck::Pod> Lines<T> {
+    /// `len` zero values.
+    pub fn zeroed(len: usize) -> Lines<T> {
+        const { assert!(std::mem::align_of::<T>() <= 64) };
+        Lines {
+            buf: vec![Line([0; 64]); (len * std::mem::size_of::<T>()).div_ceil(64)],
+            len,
+            of: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<T: bytemuck::Pod> From<&[T]> for Lines<T> {
+    fn from(v: &[T]) -> Lines<T> {
+        let mut l = Lines::zeroed(v.len());
+        l.copy_from_slice(v);
+        l
+    }
+}
+
+impl<T: bytemuck::Pod> From<Vec<T>> for Lines<T> {
+    fn from(v: Vec<T>) -> Lines<T> {
+        Lines::from(&v[..])
+    }
+}
+
+impl<T: bytemuck::Pod> std::ops::Deref for Lines<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `buf` holds at least `len` values' bytes, initialized, on a 64-byte boundary
+        // (T's alignment divides 64); T is Pod, so any bytes are a T.
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<T>(), self.len) }
+    }
+}
+
+impl<T: bytemuck::Pod> std::ops::DerefMut for Lines<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as `deref`, borrowed mutably.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast::<T>(), self.len) }
+    }
+}
+
+impl<T: bytemuck::Pod + PartialEq> PartialEq for Lines<T> {
+    fn eq(&self, other: &Lines<T>) -> bool {
+        self[..] == other[..]
+    }
+}
+
+impl<T: bytemuck::Pod + std::fmt::Debug> std::fmt::Debug for Lines<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self[..].fmt(f)
+    }
 }

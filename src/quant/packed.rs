@@ -230,40 +230,6 @@ pub fn dot_span(rows: &[u8], acts: &QActs, t0: usize, n: usize, out: &mut [f32])
     }
 }
 
-/// An owned, 64-byte aligned byte buffer: a packed matrix, so that rows whose length is a
-/// multiple of 64 (1,024 and 2,048 columns) start each group on a cache line.
-pub struct AlignedBytes {
-    buf: Vec<Line>,
-    len: usize,
-}
-
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
-
-impl AlignedBytes {
-    pub fn zeroed(len: usize) -> AlignedBytes {
-        AlignedBytes {
-            buf: vec![Line([0; 64]); len.div_ceil(64)],
-            len,
-        }
-    }
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `buf` holds at least `len` initialized bytes; `Line` is plain bytes.
-        unsafe { std::slice::from_raw_parts(self.buf.as_ptr() as *const u8, self.len) }
-    }
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as `as_slice`, borrowed mutably.
-        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr() as *mut u8, self.len) }
-    }
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -388,15 +354,15 @@ mod tests {
             }
             let rows = 37;
             let m = stored(GgmlType::Q8_0, rows, k, &mut s);
-            let mut p = AlignedBytes::zeroed(m.len());
-            pack_rows(GgmlType::Q8_0, &m, k, p.as_mut_slice());
+            let mut p = crate::alloc::Lines::<u8>::zeroed(m.len());
+            pack_rows(GgmlType::Q8_0, &m, k, &mut p);
             let a = acts(GgmlType::Q8_0, 6, k, &mut s);
             for n in 1..=4 {
                 for t0 in [0, 6 - n] {
                     let mut want = vec![0f32; rows * n];
                     int8::dot_span_rows(&m, &a, t0, n, &mut want);
                     let mut got = vec![1f32; rows * n];
-                    dot_span(p.as_slice(), &a, t0, n, &mut got);
+                    dot_span(&p, &a, t0, n, &mut got);
                     assert_eq!(bits(&want), bits(&got), "k {k}, {n} token rows from {t0}");
                 }
             }
@@ -424,13 +390,13 @@ mod tests {
             }
             let (rows, rb, nb) = (37, row_bytes(ty, k), k / 128);
             let m = stored(ty, rows, k, &mut s);
-            let mut p = AlignedBytes::zeroed(rows * packed_row_bytes(ty, k));
-            pack_rows(ty, &m, k, p.as_mut_slice());
+            let mut p = crate::alloc::Lines::<u8>::zeroed(rows * packed_row_bytes(ty, k));
+            pack_rows(ty, &m, k, &mut p);
             let a = acts(packed_type(ty), 6, k, &mut s);
             let (qs, d, o) = a.contents();
             for t in 0..6 {
                 let mut alone = vec![0f32; rows];
-                dot_span(p.as_slice(), &a, t, 1, &mut alone);
+                dot_span(&p, &a, t, 1, &mut alone);
                 for (r, &got) in alone.iter().enumerate() {
                     let (mut want, mut mag) = (0f64, 0f64);
                     for b in 0..nb {
@@ -452,7 +418,7 @@ mod tests {
                 for n in 1..=4usize {
                     let t0 = t.saturating_sub(n - 1).min(6 - n);
                     let mut got = vec![1f32; rows * n];
-                    dot_span(p.as_slice(), &a, t0, n, &mut got);
+                    dot_span(&p, &a, t0, n, &mut got);
                     let mine: Vec<f32> = got.chunks_exact(n).map(|g| g[t - t0]).collect();
                     assert_eq!(
                         bits(&alone),

@@ -49,7 +49,7 @@ pub(super) fn gdn(
         state: st,
         cells: None,
     }];
-    gdn_batch(p, mixed, z, b, a, w, &mut seqs)
+    gdn_batch(p, mixed, z, b, a, w, &mut seqs, true)
 }
 
 /// The core over several sequences' rows at once: each chunk's conv for every sequence in one
@@ -57,24 +57,11 @@ pub(super) fn gdn(
 /// of many streams costs two parallel regions per layer, not two per stream. A sequence with
 /// `cells` runs its rows out of place: row t reads the state row t - 1 left (the live state
 /// for the first) and writes cell t (the live state for the last), so a verify batch keeps
-/// the state after every row without copying one.
+/// the state after every row without copying one. `stream_cells` lets the AVX-512 sweep
+/// write the cells by streaming stores (`head_scan_body`); the values are the same either
+/// way, which a test checks.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gdn_batch(
-    p: &GdnParams,
-    mixed: &Tensor,
-    z: &Tensor,
-    b: &Tensor,
-    a: &Tensor,
-    w: &Weights<'_>,
-    seqs: &mut [Seq<'_>],
-) -> Tensor {
-    gdn_batch_with(p, mixed, z, b, a, w, seqs, true)
-}
-
-/// [`gdn_batch`], with the cells' streaming stores allowed or not (`stream_cells`: the same
-/// values either way, which a test checks).
-#[allow(clippy::too_many_arguments)]
-fn gdn_batch_with(
     p: &GdnParams,
     mixed: &Tensor,
     z: &Tensor,
@@ -924,7 +911,7 @@ mod tests {
                         state: st,
                         cells,
                     }];
-                    gdn_batch(p, &m, &zz, &bb, &aa, &w, &mut seqs).data
+                    gdn_batch(p, &m, &zz, &bb, &aa, &w, &mut seqs, true).data
                 } else {
                     gdn(p, &m, &zz, &bb, &aa, &w, st).data
                 });
@@ -954,7 +941,7 @@ mod tests {
                     cells: if i == 3 { cell_slot.take() } else { None },
                 })
                 .collect();
-            let y = gdn_batch(p, &m, &zz, &bb, &aa, &w, &mut seqs).data;
+            let y = gdn_batch(p, &m, &zz, &bb, &aa, &w, &mut seqs, true).data;
             drop(seqs);
             let width = p.n_v * p.d;
             let mut at = 0;
@@ -997,7 +984,7 @@ mod tests {
                 state: &mut live,
                 cells: Some(&mut cells[..]),
             }];
-            let y = gdn_batch_with(p, mixed, z, b, a, &w, &mut seqs, stream).data;
+            let y = gdn_batch(p, mixed, z, b, a, &w, &mut seqs, stream).data;
             (y, live, cells)
         };
         let (y, live, cells) = run(true);

@@ -24,6 +24,7 @@ use rayon::prelude::*;
 use super::{
     AttnParams, AttnSeq, Backend, BackendError, Fold, GdnParams, GdnWeights, KvTypes, WeightSource,
 };
+use crate::alloc::Lines;
 use crate::quant::{self, hadamard::HadamardConfig};
 use crate::tensor::GgmlType;
 use math::{sigmoid, silu};
@@ -44,7 +45,7 @@ pub struct CpuBackend {
     pack: bool,
     /// The packed copies made so far, by the address of the stored rows: a tensor used twice
     /// (the tied output head, the draft head's first rows of it) shares one copy.
-    packed: Mutex<HashMap<usize, Weak<quant::packed::AlignedBytes>>>,
+    packed: Mutex<HashMap<usize, Weak<Lines<u8>>>>,
 }
 
 impl Default for CpuBackend {
@@ -86,7 +87,7 @@ impl CpuBackend {
     /// The packed copy of `w`'s rows, made on its first use. A use that asks for fewer rows of
     /// the same stored bytes (the draft head) reads the first rows of the longer copy; the
     /// model loader takes the whole table first.
-    fn packed_rows(&self, w: &WeightSource) -> Arc<quant::packed::AlignedBytes> {
+    fn packed_rows(&self, w: &WeightSource) -> Arc<Lines<u8>> {
         let (ne0, _) = w.shape2();
         let bytes = w.bytes();
         let key = bytes.as_ptr() as usize;
@@ -99,10 +100,9 @@ impl CpuBackend {
         }
         let rb = w.info.row_bytes() as usize;
         let pb = quant::packed::packed_row_bytes(w.info.ty, ne0);
-        let mut p = quant::packed::AlignedBytes::zeroed(want);
+        let mut p = Lines::<u8>::zeroed(want);
         let rows_per_task = (INT8_TASK_BYTES / rb).max(1);
-        p.as_mut_slice()
-            .par_chunks_mut(rows_per_task * pb)
+        p.par_chunks_mut(rows_per_task * pb)
             .zip(bytes.par_chunks(rows_per_task * rb))
             .for_each(|(d, s)| quant::packed::pack_rows(w.info.ty, s, ne0, d));
         w.file.release(&w.info);
@@ -376,7 +376,7 @@ pub struct Weight {
     src: WeightSource,
     /// The rows packed for the serving path's kernels (`quant::packed`), shared by every use
     /// of the tensor; `rows * row_bytes` of it are this weight's.
-    packed: Option<Arc<quant::packed::AlignedBytes>>,
+    packed: Option<Arc<Lines<u8>>>,
     /// The type and row length of the rows the kernels read: the stored ones, or the packed
     /// ones (`quant::packed::packed_type`: a packed PTQ1_0 matrix holds PQ2_0 blocks).
     ty: GgmlType,
@@ -406,7 +406,7 @@ impl Weight {
     /// The rows the int8 kernels read: packed where `upload` packed them, else the mapping's.
     fn rows_bytes(&self) -> &[u8] {
         match &self.packed {
-            Some(p) => &p.as_slice()[..self.rows * self.row_bytes],
+            Some(p) => &p[..self.rows * self.row_bytes],
             None => self.src.bytes(),
         }
     }
@@ -531,70 +531,8 @@ pub struct Recurrent {
     /// The last `d_conv - 1` raw conv inputs, oldest first, `[d_conv-1][conv_dim]`.
     pub conv: Vec<f32>,
     /// Per V head `S[i=k][j=v]`, v fastest.
-    pub ssm: Lines,
-}
-
-/// f32 values from a 64-byte boundary on: a GDN state, so that each head (`d x d`, 64 KiB at
-/// `d` = 128) and each of its rows start a cache line, and a verify batch's cells can be
-/// written in whole lines by streaming stores (`gdn::head_scan_body`).
-#[derive(Clone)]
-pub struct Lines {
-    buf: Vec<Line>,
-    len: usize,
-}
-
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([f32; 16]);
-
-impl Lines {
-    pub fn zeroed(len: usize) -> Lines {
-        Lines {
-            buf: vec![Line([0.0; 16]); len.div_ceil(16)],
-            len,
-        }
-    }
-}
-
-impl From<&[f32]> for Lines {
-    fn from(v: &[f32]) -> Lines {
-        let mut l = Lines::zeroed(v.len());
-        l.copy_from_slice(v);
-        l
-    }
-}
-
-impl From<Vec<f32>> for Lines {
-    fn from(v: Vec<f32>) -> Lines {
-        Lines::from(&v[..])
-    }
-}
-
-impl std::ops::Deref for Lines {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        // SAFETY: `buf` holds at least `len` initialized f32s; `Line` is plain f32s.
-        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<f32>(), self.len) }
-    }
-}
-
-impl std::ops::DerefMut for Lines {
-    fn deref_mut(&mut self) -> &mut [f32] {
-        // SAFETY: as `deref`, borrowed mutably.
-        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast::<f32>(), self.len) }
-    }
-}
-
-impl PartialEq for Lines {
-    fn eq(&self, other: &Lines) -> bool {
-        self[..] == other[..]
-    }
-}
-
-impl std::fmt::Debug for Lines {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self[..].fmt(f)
-    }
+    /// On cache lines: see [`Lines`].
+    pub ssm: Lines<f32>,
 }
 
 /// Elements per rayon task in elementwise ops: below this a split costs more than it saves.
@@ -1368,7 +1306,7 @@ impl Backend for CpuBackend {
         w: &GdnWeights<'_, Weight>,
         seqs: &mut [super::GdnSeq<'_, Recurrent>],
     ) -> Tensor {
-        gdn::gdn_batch(p, mixed, z, b, a, &gdn_weights(w), seqs)
+        gdn::gdn_batch(p, mixed, z, b, a, &gdn_weights(w), seqs, true)
     }
 
     fn argmax_rows(&self, x: &Tensor) -> Vec<u32> {
