@@ -41,7 +41,8 @@ const USAGE: &str = "usage: cargo xtask <task>
   bench [--backend cpu,cpu-exact,wgpu,cuda] [--no-llama] [--prompt N[,N...]] [--decode N]
         [--runs N] [--rounds N] [FILE...]
                         tern vs stock llama.cpp on the bench files (default: fixtures/bench/*);
-                        cpu is the serving path (int8 activations), cpu-exact the f32 reference;
+                        cpu is the serving path (int8 activations, f16 K/V as llama-bench
+                        caches them), cpu-exact the f32 reference (f32 K/V);
                         llama.cpp through its Python binding and, with TERN_LLAMA_BENCH=path,
                         its own llama-bench (then the ratios' anchor; its tg at the prompt's
                         depth, -d N, as tern decodes after the prompt); --rounds N alternates
