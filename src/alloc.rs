@@ -105,17 +105,11 @@ impl<T: bytemuck::Pod> Lines<T> {
     }
 }
 
-impl<T: bytemuck::Pod> From<&[T]> for Lines<T> {
-    fn from(v: &[T]) -> Lines<T> {
-        let mut l = Lines::zeroed(v.len());
-        l.copy_from_slice(v);
-        l
-    }
-}
-
 impl<T: bytemuck::Pod> From<Vec<T>> for Lines<T> {
     fn from(v: Vec<T>) -> Lines<T> {
-        Lines::from(&v[..])
+        let mut l = Lines::zeroed(v.len());
+        l.copy_from_slice(&v);
+        l
     }
 }
 

@@ -390,7 +390,7 @@ mod tests {
             }
             let (rows, rb, nb) = (37, row_bytes(ty, k), k / 128);
             let m = stored(ty, rows, k, &mut s);
-            let mut p = crate::alloc::Lines::<u8>::zeroed(rows * packed_row_bytes(ty, k));
+            let mut p = crate::alloc::Lines::<u8>::zeroed(packed_len(ty, k, m.len()));
             pack_rows(ty, &m, k, &mut p);
             let a = acts(packed_type(ty), 6, k, &mut s);
             let (qs, d, o) = a.contents();

@@ -14,6 +14,13 @@ use tern::backend::{Backend, KvTypes};
 use tern::model::Model;
 use tern::tensor::GgmlType;
 
+/// K and V cached in f16: llama-bench's default (-ctk/-ctv f16) and the engine's, so every
+/// serving-path figure beside llama.cpp's reads the cache it reads.
+pub(crate) const F16_KV: KvTypes = KvTypes {
+    k: GgmlType::F16,
+    v: GgmlType::F16,
+};
+
 pub struct Options {
     pub files: Vec<PathBuf>,
     pub prompt_tokens: usize,
@@ -82,10 +89,7 @@ fn bench_tern<B: Backend>(be: &B, label: &str, path: &Path, o: &Options) -> Resu
     // The f32 reference keeps the f32 cache.
     let kv = match label {
         "cpu-exact" => KvTypes::default(),
-        _ => KvTypes {
-            k: GgmlType::F16,
-            v: GgmlType::F16,
-        },
+        _ => F16_KV,
     };
     let fresh = || -> Result<_> {
         let mut st = m.new_state_with(be, kv)?;
@@ -937,10 +941,7 @@ pub fn engine(
                         v,
                     },
                     spec: spec.then(SpecConfig::default),
-                    draft_kv_types: KvTypes {
-                        k: GgmlType::F16,
-                        v: GgmlType::F16,
-                    },
+                    draft_kv_types: F16_KV,
                 };
                 // Memory: what boot allocated (the boot ledger): KV = trunk + draft caches,
                 // state = recurrent copies + prompt checkpoints, compute = the warm-up's peak.

@@ -49,10 +49,7 @@ fn tern_at(
     depth: usize,
     decode: usize,
 ) -> Result<(f64, f64)> {
-    let kv = KvTypes {
-        k: GgmlType::F16,
-        v: GgmlType::F16,
-    };
+    let kv = crate::bench::F16_KV;
     let mut st = m.new_state_with(be, kv)?;
     st.reserve(be, depth + decode + 1)?;
     let p = prompt(depth);

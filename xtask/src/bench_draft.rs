@@ -22,15 +22,9 @@ fn config(parallel: usize, slot_ctx: usize, spec: Option<SpecConfig>) -> EngineC
         ctx_size: slot_ctx.max(1024) * parallel,
         parallel,
         ubatch: 512,
-        kv_types: KvTypes {
-            k: GgmlType::F16,
-            v: GgmlType::F16,
-        },
+        kv_types: crate::bench::F16_KV,
         spec,
-        draft_kv_types: KvTypes {
-            k: GgmlType::F16,
-            v: GgmlType::F16,
-        },
+        draft_kv_types: crate::bench::F16_KV,
     }
 }
 

@@ -59,15 +59,9 @@ pub fn lora_cost(file: &Path, backend: &str, rank: usize, decode: usize) -> Resu
         ctx_size: 1024,
         parallel: 1,
         ubatch: 512,
-        kv_types: KvTypes {
-            k: GgmlType::F16,
-            v: GgmlType::F16,
-        },
+        kv_types: crate::bench::F16_KV,
         spec: None,
-        draft_kv_types: KvTypes {
-            k: GgmlType::F16,
-            v: GgmlType::F16,
-        },
+        draft_kv_types: crate::bench::F16_KV,
     };
     let run = |with_adapter: bool, scale: f32| -> Result<f64> {
         fn go<B: Backend + 'static>(
