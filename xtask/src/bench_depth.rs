@@ -10,7 +10,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use serde_json::json;
 use tern::backend::cpu::CpuBackend;
-use tern::backend::{Backend, KvTypes};
+use tern::backend::Backend;
 use tern::model::Model;
 use tern::tensor::GgmlType;
 

@@ -8,11 +8,10 @@ use std::sync::Arc;
 use anyhow::{anyhow, Result};
 use serde_json::{json, Value};
 use tern::backend::cpu::CpuBackend;
-use tern::backend::{Backend, KvTypes};
+use tern::backend::Backend;
 use tern::runtime::engine::{Engine, EngineConfig, Request};
 use tern::runtime::sampler::SamplerConfig;
 use tern::runtime::speculative::{break_even, RoundCostSummary, SpecConfig};
-use tern::tensor::GgmlType;
 
 use crate::bench::{load_average, median, prompt};
 

@@ -12,13 +12,12 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, Result};
 use serde_json::json;
-use tern::backend::{cpu::CpuBackend, Backend, KvTypes};
+use tern::backend::{cpu::CpuBackend, Backend};
 use tern::gguf::Gguf;
 use tern::model::lora::Site;
 use tern::model::{Config, Model};
 use tern::runtime::engine::{Engine, EngineConfig, Request};
 use tern::runtime::sampler::SamplerConfig;
-use tern::tensor::GgmlType;
 
 pub fn lora_cost(file: &Path, backend: &str, rank: usize, decode: usize) -> Result<()> {
     let g = Arc::new(Gguf::open(file)?);
