@@ -80,8 +80,7 @@ pub fn peak_since(m: Mark) -> Option<u64> {
 
 /// Plain values from a 64-byte boundary on: a packed matrix (`Lines<u8>`, so that rows whose
 /// length is a multiple of 64 start each group on a cache line) or a GDN state (`Lines<f32>`,
-/// so that each head and each of its rows start a line, and a verify batch's cells can be
-/// written in whole lines by streaming stores).
+/// so that each head and each of its rows start a line).
 #[derive(Clone)]
 pub struct Lines<T> {
     buf: Vec<Line>,

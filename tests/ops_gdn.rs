@@ -37,7 +37,7 @@ trait StateRead: Backend {
 
 impl StateRead for CpuBackend {
     fn state(&self, rs: &Self::Rs) -> (Vec<f32>, Vec<f32>) {
-        (rs.conv.clone(), rs.ssm.to_vec())
+        (rs.conv.clone(), rs.settled_ssm())
     }
 }
 
@@ -418,10 +418,14 @@ fn gdn_batch_matches_each_alone<B: StateRead>(be: &B) {
                 be.state(rs) == want_states[k],
                 "{what}: sequence {k} ({rows} rows): live state"
             );
+            // Each cell restored into a copy of the live state.
             for (r, want) in want_cells[k].iter().enumerate() {
+                let mut st = be.new_recurrent(&p);
+                be.recurrent_copy(rs, &mut st);
+                be.recurrent_restore(&mut st, &mut cells[k][r]);
                 assert!(
-                    be.state(&cells[k][r]) == *want,
-                    "{what}: sequence {k}: the cell after row {r}"
+                    be.state(&st) == *want,
+                    "{what}: sequence {k}: the state restored after row {r}"
                 );
             }
         }

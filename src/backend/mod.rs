@@ -200,8 +200,11 @@ pub struct AttnSeq<'a, Kv> {
 }
 
 /// One sequence's share of [`Backend::gdn_batch`]: its row count, its live recurrent state and,
-/// for a verify batch, the rollback cells (at least `rows - 1`) that receive the state after
-/// each row but the last.
+/// for a verify batch, the rollback cells (at least `rows - 1`): afterwards the live state
+/// stands for the state after the last row and cell t, restored by
+/// [`Backend::recurrent_restore`], for the state after row t. A cell may hold that state (the
+/// GPU backends) or only what restoring it needs (the CPU keeps the rows' rank-1 updates, see
+/// `cpu::gdn::Pending`).
 pub struct GdnSeq<'a, Rs> {
     pub rows: usize,
     pub state: &'a mut Rs,
@@ -386,6 +389,12 @@ pub trait Backend: Send + Sync {
 
     fn new_recurrent(&self, p: &GdnParams) -> Self::Rs;
     fn recurrent_copy(&self, from: &Self::Rs, to: &mut Self::Rs);
+    /// Makes `live` the state that rollback cell `cell` of the last snapshot batch stands for
+    /// (`GdnSeq::cells`); the cell is scratch afterwards. Where a cell holds a whole state the
+    /// two trade places, so nothing is copied.
+    fn recurrent_restore(&self, live: &mut Self::Rs, cell: &mut Self::Rs) {
+        std::mem::swap(live, cell)
+    }
     /// Bytes of one recurrent state (conv + SSM).
     fn recurrent_bytes(&self, rs: &Self::Rs) -> u64;
     /// The Gated DeltaNet core over consecutive tokens of one sequence: causal conv with the

@@ -17,9 +17,9 @@ pub struct SeqState<B: Backend> {
     pub lag: usize,
     pub kv: Vec<Option<B::Kv>>,
     pub rs: Vec<Option<B::Rs>>,
-    /// Rollback cells for speculative verify: `cells[il][t]` receives layer il's recurrent
+    /// Rollback cells for speculative verify: `cells[il][t]` stands for layer il's recurrent
     /// state after row t of a batch run with `snapshot`, for every row but the last (empty
-    /// until `arm_cells`).
+    /// until `arm_cells`; see `GdnSeq`).
     pub cells: Vec<Vec<B::Rs>>,
     /// The scale of each loaded LoRA adapter for this sequence (missing entries are 0).
     pub lora: Vec<f32>,
@@ -50,13 +50,12 @@ impl<B: Backend> SeqState<B> {
         Ok(())
     }
 
-    /// Restores every GDN layer to the state after row `t` of the last snapshot batch. The
-    /// cell and the live state trade places: cells are scratch until the next snapshot batch
-    /// writes them, so nothing is copied.
-    pub fn restore_cell(&mut self, t: usize) {
+    /// Restores every GDN layer to the state after row `t` of the last snapshot batch
+    /// (`Backend::recurrent_restore`); the cells are scratch until the next snapshot batch.
+    pub fn restore_cell(&mut self, be: &B, t: usize) {
         for (cells, rs) in self.cells.iter_mut().zip(self.rs.iter_mut()) {
             if let (Some(c), Some(r)) = (cells.get_mut(t), rs.as_mut()) {
-                std::mem::swap(c, r);
+                be.recurrent_restore(r, c);
             }
         }
     }
@@ -207,8 +206,8 @@ impl<B: Backend> Model<B> {
 
     /// GDN(h) of model-qwen35.md §4 for each sequence of the batch on its own recurrent state:
     /// the projections once for every row, the recurrence per sequence. A sequence that asks
-    /// for `snapshot` runs one row at a time and keeps the state after each row but the last
-    /// in its rollback cells (after the last row the live state is that state).
+    /// for `snapshot` keeps what restoring the state after each row but the last needs in its
+    /// rollback cells (after the last row the live state is that state).
     fn gdn_mixer(
         &self,
         be: &B,

@@ -694,7 +694,7 @@ impl<B: Backend> SlotDecoder<B> {
         if kept < batch.len() {
             let _t = phase::time(Phase::Rollback);
             let end = self.seq.pos - batch.len() + kept;
-            self.seq.restore_cell(kept - 1);
+            self.seq.restore_cell(be, kept - 1);
             for kv in self.seq.kv.iter_mut().flatten() {
                 be.kv_truncate(kv, end);
             }

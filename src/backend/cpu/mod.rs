@@ -532,7 +532,10 @@ pub struct Recurrent {
     pub conv: Vec<f32>,
     /// Per V head `S[i=k][j=v]`, v fastest.
     /// On cache lines: see [`Lines`].
+    /// Without the rows of a verify batch still pending ([`Recurrent::settled_ssm`]).
     pub ssm: Lines<f32>,
+    /// Rows of the last verify batch not folded into `ssm` yet (see [`gdn::Pending`]).
+    pending: gdn::Pending,
 }
 
 /// Elements per rayon task in elementwise ops: below this a split costs more than it saves.
@@ -1275,12 +1278,18 @@ impl Backend for CpuBackend {
         Recurrent {
             conv: vec![0.0; p.conv_state_len()],
             ssm: Lines::zeroed(p.ssm_state_len()),
+            pending: gdn::Pending::default(),
         }
     }
 
     fn recurrent_copy(&self, from: &Recurrent, to: &mut Recurrent) {
         to.conv.copy_from_slice(&from.conv);
         to.ssm.copy_from_slice(&from.ssm);
+        to.pending.clone_from(&from.pending);
+    }
+
+    fn recurrent_restore(&self, live: &mut Recurrent, cell: &mut Recurrent) {
+        live.restore(cell)
     }
 
     fn gdn(
@@ -1306,7 +1315,7 @@ impl Backend for CpuBackend {
         w: &GdnWeights<'_, Weight>,
         seqs: &mut [super::GdnSeq<'_, Recurrent>],
     ) -> Tensor {
-        gdn::gdn_batch(p, mixed, z, b, a, &gdn_weights(w), seqs, true)
+        gdn::gdn_batch(p, mixed, z, b, a, &gdn_weights(w), seqs)
     }
 
     fn argmax_rows(&self, x: &Tensor) -> Vec<u32> {
