@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 use tern::backend::cpu::{CpuBackend, Recurrent, Weight};
-use tern::backend::{Backend, GdnWeights};
+use tern::backend::{Backend, GdnSeq, GdnWeights};
 use tern::model::weights::Mixer;
 use tern::model::Model;
 
@@ -282,6 +282,50 @@ pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
             }));
         }
         let gdn_cold_ms = median(cold);
+        // A depth-2 verify's GDN cores from memory, the same way: three rows on each layer's
+        // state with two rollback cells, then the rollback a rejected first draft makes (the
+        // state after row 0 kept), so each call also folds in the row the last one kept.
+        let rows3 = |cols: usize| be.from_host(&crate::bench::bench_acts(cols).repeat(3), 3, cols);
+        let (vm, vz) = (rows3(gp.conv_dim()), rows3(gp.n_v * gp.d));
+        let (vb, va) = (rows3(gp.n_v), rows3(gp.n_v));
+        let mut cells: Vec<Vec<Vec<Recurrent>>> = states
+            .iter()
+            .map(|s| {
+                s.iter()
+                    .map(|_| (0..2).map(|_| be.new_recurrent(&gp)).collect())
+                    .collect()
+            })
+            .collect();
+        let mut verify = Vec::new();
+        for _ in 0..3 {
+            let mut at = 0;
+            verify.push(CpuBackend::run_step(|| {
+                time_ms(decode.max(copies), || {
+                    let k = at % copies;
+                    let gdn = w.layers.iter().filter_map(|l| match &l.mixer {
+                        Mixer::Gdn(g) => Some(g),
+                        _ => None,
+                    });
+                    for ((g, rs), cs) in gdn.zip(states[k].iter_mut()).zip(cells[k].iter_mut()) {
+                        let gw = GdnWeights {
+                            conv: &g.conv,
+                            dt_bias: &g.dt_bias,
+                            ssm_a: &g.ssm_a,
+                            norm: &g.norm,
+                        };
+                        let mut seqs = [GdnSeq {
+                            rows: 3,
+                            state: &mut *rs,
+                            cells: Some(&mut cs[..]),
+                        }];
+                        std::hint::black_box(be.gdn_batch(&gp, &vm, &vz, &vb, &va, &gw, &mut seqs));
+                        be.recurrent_restore(rs, &mut cs[0]);
+                    }
+                    at += 1;
+                })
+            }));
+        }
+        let verify_ms = median(verify);
         let matmul: f64 = classes.iter().map(|c| c.1).sum();
         println!(
             "\n{}: {:.1} MB read per token, {threads} threads, matmuls of {rows} token row(s)",
@@ -322,6 +366,11 @@ pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
             "  the same from memory ({copies} copies of the states in turn): {gdn_cold_ms:.2} ms, \
              {:.2} GB/s",
             2.0 * state_bytes / gdn_cold_ms / 1e6
+        );
+        println!(
+            "  a depth-2 verify's from memory (3 rows, 2 rollback cells a layer, the first row \
+             kept): {verify_ms:.2} ms, {:.2}x the one-row cores",
+            verify_ms / gdn_cold_ms
         );
         println!(
             "weights streamed at {:.2} GB/s over the whole step, {:.2} GB/s over its matmuls; \

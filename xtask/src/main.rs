@@ -64,9 +64,10 @@ const USAGE: &str = "usage: cargo xtask <task>
   bench --step [--decode N] [--rows R] [FILE...]
                         a one-row decode step's wall time split on the CPU serving path: matmul
                         ms per class of matrix (GDN/attention in and out, FFN, output head), the
-                        rest, the GDN cores (ms, GB/s of state, in cache and from memory),
-                        argmax, context switches per step, against the read bandwidth of 1 and
-                        all threads and the bytes a token reads; default files as bench
+                        rest, the GDN cores (ms, GB/s of state, in cache and from memory;
+                        from memory also as a depth-2 verify with its rollback), argmax,
+                        context switches per step, against the read bandwidth of 1 and all
+                        threads and the bytes a token reads; default files as bench
                         (--rows R: the matmul classes with R token rows, as R streams' step)
   bench --vision [--no-llama] [--runs N] [--model F] [--mmproj F] [--image F]
                         image tokens/s of one encode on the CPU, tern vs llama.cpp (mtmd, the

@@ -67,8 +67,9 @@ pub(super) fn gdn(
 /// them, and the next batch on the state folds them in with the same fused multiply-adds the
 /// sweep did (so the same bits) as its first read of each head, which the head's sweeps then
 /// find in cache. A verify reads the state once and the fold writes it once: the traffic of a
-/// plain step. The GDN cores of a depth-2 verify of bench-0.8b's 18 layers, on caches emptied
-/// between verifies, went from 3.9-5.2 to 2.9-3.0 ms (Zen 4, 2 threads, 3 runs each).
+/// plain step. A depth-2 verify's GDN cores from memory on bench-0.8b PQ2_0 (`xtask bench
+/// --step`, the builds alternated three times, Zen 4, 2 threads) went from 3.26 / 3.37 / 3.49
+/// to 2.88 / 2.63 / 2.43 ms, where one row's take 1.15-1.33 ms.
 #[derive(Clone, Debug, Default)]
 pub struct Pending {
     /// Rows to fold in, oldest first (in a cell: the rows that restoring it keeps).
@@ -115,7 +116,12 @@ impl Recurrent {
         let rec = self.pending.room * Pending::record(d);
         if !self.pending.is_empty() {
             for (j, h) in s.chunks_exact_mut(dd).enumerate() {
-                settle(h, &self.pending.data[j * rec..(j + 1) * rec], self.pending.rows, d);
+                settle(
+                    h,
+                    &self.pending.data[j * rec..(j + 1) * rec],
+                    self.pending.rows,
+                    d,
+                );
             }
         }
         s
@@ -1136,7 +1142,10 @@ mod tests {
         let before = live.ssm.to_vec();
         let mut cs = cells(n - 1);
         y.extend(snapshot(&mut live, &mut cs, 2, n));
-        assert!(live.ssm[..] != before[..], "the second batch folds in the first's rows");
+        assert!(
+            live.ssm[..] != before[..],
+            "the second batch folds in the first's rows"
+        );
         // The same rows one at a time.
         let mut st = fresh();
         let mut y1 = Vec::new();
@@ -1148,7 +1157,10 @@ mod tests {
             }
         }
         assert!(bits(&y) == bits(&y1), "outputs");
-        assert!(bits(&live.settled_ssm()) == bits(&after[n - 1].0), "live state");
+        assert!(
+            bits(&live.settled_ssm()) == bits(&after[n - 1].0),
+            "live state"
+        );
         assert_eq!(live.conv, after[n - 1].1);
         for (t, cell) in cs.iter_mut().enumerate() {
             let mut r = live.clone();
@@ -1159,8 +1171,14 @@ mod tests {
             let mut s1 = fresh();
             (0..t + 3).for_each(|i| drop(feed(&mut s1, i)));
             let want = feed(&mut s1, t + 3);
-            assert!(bits(&feed(&mut r, t + 3)) == bits(&want), "row after cell {t}");
-            assert!(bits(&r.ssm) == bits(&s1.ssm), "state after cell {t} and a row");
+            assert!(
+                bits(&feed(&mut r, t + 3)) == bits(&want),
+                "row after cell {t}"
+            );
+            assert!(
+                bits(&r.ssm) == bits(&s1.ssm),
+                "state after cell {t} and a row"
+            );
         }
     }
 
