@@ -4,7 +4,7 @@ use super::lora::{Mat, Site};
 use super::phase::{self, Phase};
 use super::weights::{AttnWeights, GdnWeights as GdnLayer, Layer, Mixer};
 use super::{Model, ModelError, Output};
-use crate::backend::{AttnSeq, Backend, GdnSeq, GdnWeights, KvTypes};
+use crate::backend::{AttnSeq, Backend, GdnSeq, KvTypes};
 
 /// Per-sequence state of the trunk: attention KV for full-attention layers, conv + SSM state
 /// for Gated DeltaNet layers, and the next position.
@@ -230,12 +230,7 @@ impl<B: Backend> Model<B> {
             &batch.lora,
         );
         let gp = self.cfg.gdn_params();
-        let w = GdnWeights {
-            conv: &g.conv,
-            dt_bias: &g.dt_bias,
-            ssm_a: &g.ssm_a,
-            norm: &g.norm,
-        };
+        let w = g.core();
         let mut seqs: Vec<GdnSeq<'_, B::Rs>> = items
             .iter_mut()
             .zip(&batch.spans)

@@ -105,6 +105,18 @@ pub struct GdnWeights<W> {
     pub out: W,
 }
 
+impl<W> GdnWeights<W> {
+    /// The weights the backend's GDN core takes (`Backend::gdn`).
+    pub fn core(&self) -> crate::backend::GdnWeights<'_, W> {
+        crate::backend::GdnWeights {
+            conv: &self.conv,
+            dt_bias: &self.dt_bias,
+            ssm_a: &self.ssm_a,
+            norm: &self.norm,
+        }
+    }
+}
+
 pub enum Mixer<W> {
     Attn(AttnWeights<W>),
     Gdn(GdnWeights<W>),

@@ -15,7 +15,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use rayon::prelude::*;
 use tern::backend::cpu::{CpuBackend, Recurrent, Weight};
-use tern::backend::{Backend, GdnSeq, GdnWeights};
+use tern::backend::{Backend, GdnSeq};
 use tern::model::weights::Mixer;
 use tern::model::Model;
 
@@ -227,12 +227,7 @@ pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
         // One layer's GDN core on a state, as a step runs it (attention layers have none).
         let core = |mixer: &Mixer<Weight>, rs: &mut Recurrent| {
             if let Mixer::Gdn(g) = mixer {
-                let gw = GdnWeights {
-                    conv: &g.conv,
-                    dt_bias: &g.dt_bias,
-                    ssm_a: &g.ssm_a,
-                    norm: &g.norm,
-                };
+                let gw = g.core();
                 std::hint::black_box(be.gdn(&gp, &mixed, &z, &beta, &alpha, &gw, rs));
             }
         };
@@ -268,20 +263,25 @@ pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
                     .collect()
             })
             .collect();
-        let mut cold = Vec::new();
-        for _ in 0..3 {
-            let mut at = 0;
-            cold.push(CpuBackend::run_step(|| {
-                time_ms(decode.max(copies), || {
-                    let gdn = w.layers.iter().filter(|l| matches!(l.mixer, Mixer::Gdn(_)));
-                    for (l, rs) in gdn.zip(states[at % copies].iter_mut()) {
-                        core(&l.mixer, rs);
-                    }
-                    at += 1;
+        // Three timed runs of `f(k)` over the copies in turn (k the copy), their median.
+        let cycled = |f: &mut (dyn FnMut(usize) + Send)| {
+            let runs = (0..3).map(|_| {
+                let mut at = 0;
+                CpuBackend::run_step(|| {
+                    time_ms(decode.max(copies), || {
+                        f(at % copies);
+                        at += 1;
+                    })
                 })
-            }));
-        }
-        let gdn_cold_ms = median(cold);
+            });
+            median(runs.collect())
+        };
+        let gdn_cold_ms = cycled(&mut |k| {
+            let gdn = w.layers.iter().filter(|l| matches!(l.mixer, Mixer::Gdn(_)));
+            for (l, rs) in gdn.zip(states[k].iter_mut()) {
+                core(&l.mixer, rs);
+            }
+        });
         // A depth-2 verify's GDN cores from memory, the same way: three rows on each layer's
         // state with two rollback cells, then the rollback a rejected first draft makes (the
         // state after row 0 kept), so each call also folds in the row the last one kept.
@@ -296,36 +296,21 @@ pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
                     .collect()
             })
             .collect();
-        let mut verify = Vec::new();
-        for _ in 0..3 {
-            let mut at = 0;
-            verify.push(CpuBackend::run_step(|| {
-                time_ms(decode.max(copies), || {
-                    let k = at % copies;
-                    let gdn = w.layers.iter().filter_map(|l| match &l.mixer {
-                        Mixer::Gdn(g) => Some(g),
-                        _ => None,
-                    });
-                    for ((g, rs), cs) in gdn.zip(states[k].iter_mut()).zip(cells[k].iter_mut()) {
-                        let gw = GdnWeights {
-                            conv: &g.conv,
-                            dt_bias: &g.dt_bias,
-                            ssm_a: &g.ssm_a,
-                            norm: &g.norm,
-                        };
-                        let mut seqs = [GdnSeq {
-                            rows: 3,
-                            state: &mut *rs,
-                            cells: Some(&mut cs[..]),
-                        }];
-                        std::hint::black_box(be.gdn_batch(&gp, &vm, &vz, &vb, &va, &gw, &mut seqs));
-                        be.recurrent_restore(rs, &mut cs[0]);
-                    }
-                    at += 1;
-                })
-            }));
-        }
-        let verify_ms = median(verify);
+        let verify_ms = cycled(&mut |k| {
+            let gdn = w.layers.iter().filter_map(|l| match &l.mixer {
+                Mixer::Gdn(g) => Some(g),
+                _ => None,
+            });
+            for ((g, rs), cs) in gdn.zip(states[k].iter_mut()).zip(cells[k].iter_mut()) {
+                let mut seqs = [GdnSeq {
+                    rows: 3,
+                    state: &mut *rs,
+                    cells: Some(&mut cs[..]),
+                }];
+                std::hint::black_box(be.gdn_batch(&gp, &vm, &vz, &vb, &va, &g.core(), &mut seqs));
+                be.recurrent_restore(rs, &mut cs[0]);
+            }
+        });
         let matmul: f64 = classes.iter().map(|c| c.1).sum();
         println!(
             "\n{}: {:.1} MB read per token, {threads} threads, matmuls of {rows} token row(s)",
