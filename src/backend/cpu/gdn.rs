@@ -88,9 +88,13 @@ impl Pending {
         1 + 2 * d
     }
 
-    /// Whether there is nothing to fold in.
-    pub fn is_empty(&self) -> bool {
-        self.rows == 0
+    /// Rows to fold in: none in a rollback cell, which only marks how many rows restoring it
+    /// keeps.
+    fn to_fold(&self) -> usize {
+        match self.data.is_empty() {
+            true => 0,
+            false => self.rows,
+        }
     }
 }
 
@@ -114,7 +118,7 @@ impl Recurrent {
         let mut s = self.ssm.to_vec();
         let (d, dd) = (self.pending.d, self.pending.d * self.pending.d);
         let rec = self.pending.room * Pending::record(d);
-        if !self.pending.is_empty() {
+        if self.pending.to_fold() > 0 {
             for (j, h) in s.chunks_exact_mut(dd).enumerate() {
                 settle(
                     h,
@@ -273,12 +277,12 @@ pub(super) fn gdn_batch(
                 seq: i,
                 j,
                 live,
-                old: if old.is_empty() {
+                old: if old.to_fold() == 0 {
                     &[]
                 } else {
                     &old.data[j * old_rec..(j + 1) * old_rec]
                 },
-                old_rows: old.rows,
+                old_rows: old.to_fold(),
                 rec: match new_rec {
                     0 => &mut [],
                     _ => recs.next().expect("a record block per head"),
@@ -1163,6 +1167,8 @@ mod tests {
         );
         assert_eq!(live.conv, after[n - 1].1);
         for (t, cell) in cs.iter_mut().enumerate() {
+            // A cell marks rows to keep and folds in nothing itself.
+            assert!(cell.settled_ssm() == cell.ssm.to_vec(), "cell {t} alone");
             let mut r = live.clone();
             r.restore(cell);
             assert!(bits(&r.settled_ssm()) == bits(&after[t].0), "cell {t}");
