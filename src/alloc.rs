@@ -81,26 +81,96 @@ pub fn peak_since(m: Mark) -> Option<u64> {
 /// Plain values from a 64-byte boundary on: a packed matrix (`Lines<u8>`, so that rows whose
 /// length is a multiple of 64 start each group on a cache line) or a GDN state (`Lines<f32>`,
 /// so that each head and each of its rows start a line).
-#[derive(Clone)]
+///
+/// A buffer of [`HUGE`] bytes or more starts on a 2 MiB boundary, and on Linux its whole 2 MiB
+/// pages are advised as transparent huge pages before their first touch: a decode step streams every packed matrix
+/// and every GDN state once, and with 4 KiB pages each page is a TLB miss on the way. Where
+/// the kernel grants no huge page (THP `never`, or no contiguous memory) the advice is a no-op
+/// and the buffer is an ordinary one.
 pub struct Lines<T> {
-    buf: Vec<Line>,
+    ptr: std::ptr::NonNull<u8>,
     len: usize,
     of: std::marker::PhantomData<T>,
 }
 
-#[derive(Clone, Copy)]
-#[repr(C, align(64))]
-struct Line([u8; 64]);
+// SAFETY: a `Lines<T>` owns its buffer as a `Vec<T>` would.
+unsafe impl<T: Send> Send for Lines<T> {}
+// SAFETY: shared access only reads, as a `&[T]`.
+unsafe impl<T: Sync> Sync for Lines<T> {}
+
+/// From this many bytes on, a [`Lines`] is laid out for 2 MiB pages.
+pub const HUGE: usize = 2 << 20;
+
+impl<T> Lines<T> {
+    /// The allocation of `len` values: whole lines (never zero bytes, which `alloc` does not
+    /// take), on a 2 MiB boundary for a large buffer.
+    fn layout(len: usize) -> Layout {
+        let bytes = len.saturating_mul(std::mem::size_of::<T>()).max(1);
+        let align = if bytes >= HUGE { HUGE } else { 64 };
+        // An absurd `len` (past isize::MAX bytes) reaches `handle_alloc_error` in `zeroed`.
+        Layout::from_size_align(bytes.next_multiple_of(64), align).unwrap_or(Layout::new::<u8>())
+    }
+}
 
 impl<T: bytemuck::Pod> Lines<T> {
     /// `len` zero values.
     pub fn zeroed(len: usize) -> Lines<T> {
         const { assert!(std::mem::align_of::<T>() <= 64) };
+        let layout = Self::layout(len);
+        if layout.size() < len.saturating_mul(std::mem::size_of::<T>()) {
+            std::alloc::handle_alloc_error(layout);
+        }
+        let ptr = if layout.align() == HUGE {
+            // SAFETY: the layout's size is non-zero.
+            let p = unsafe { std::alloc::alloc(layout) };
+            if !p.is_null() {
+                // Only the whole 2 MiB pages: a huge page over the tail would make its first
+                // touch back up to 2 MiB that the buffer does not hold.
+                advise_huge(p, layout.size() / HUGE * HUGE);
+                // SAFETY: `p` holds `layout.size()` writable bytes.
+                unsafe { std::ptr::write_bytes(p, 0, layout.size()) };
+            }
+            p
+        } else {
+            // SAFETY: the layout's size is non-zero.
+            unsafe { std::alloc::alloc_zeroed(layout) }
+        };
+        let Some(ptr) = std::ptr::NonNull::new(ptr) else {
+            std::alloc::handle_alloc_error(layout)
+        };
         Lines {
-            buf: vec![Line([0; 64]); (len * std::mem::size_of::<T>()).div_ceil(64)],
+            ptr,
             len,
             of: std::marker::PhantomData,
         }
+    }
+}
+
+/// Asks for transparent huge pages over `len` bytes from `p` (2 MiB boundaries), before any
+/// of them is touched so the first touch faults in whole 2 MiB pages. Advice only: a kernel
+/// that refuses it leaves ordinary pages.
+#[cfg(target_os = "linux")]
+fn advise_huge(p: *mut u8, len: usize) {
+    // SAFETY: `p..p + len` is one live allocation of ours; MADV_HUGEPAGE changes how its
+    // pages are backed, never their contents.
+    unsafe { libc::madvise(p.cast(), len, libc::MADV_HUGEPAGE) };
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge(_: *mut u8, _: usize) {}
+
+impl<T> Drop for Lines<T> {
+    fn drop(&mut self) {
+        // SAFETY: `ptr` came from `alloc` / `alloc_zeroed` with this same layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
+    }
+}
+
+impl<T: bytemuck::Pod> Clone for Lines<T> {
+    fn clone(&self) -> Lines<T> {
+        let mut l = Lines::zeroed(self.len);
+        l.copy_from_slice(self);
+        l
     }
 }
 
@@ -115,16 +185,16 @@ impl<T: bytemuck::Pod> From<Vec<T>> for Lines<T> {
 impl<T: bytemuck::Pod> std::ops::Deref for Lines<T> {
     type Target = [T];
     fn deref(&self) -> &[T] {
-        // SAFETY: `buf` holds at least `len` values' bytes, initialized, on a 64-byte boundary
-        // (T's alignment divides 64); T is Pod, so any bytes are a T.
-        unsafe { std::slice::from_raw_parts(self.buf.as_ptr().cast::<T>(), self.len) }
+        // SAFETY: the buffer holds at least `len` values' bytes, initialized, on a 64-byte
+        // boundary (T's alignment divides 64); T is Pod, so any bytes are a T.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().cast::<T>(), self.len) }
     }
 }
 
 impl<T: bytemuck::Pod> std::ops::DerefMut for Lines<T> {
     fn deref_mut(&mut self) -> &mut [T] {
-        // SAFETY: as `deref`, borrowed mutably.
-        unsafe { std::slice::from_raw_parts_mut(self.buf.as_mut_ptr().cast::<T>(), self.len) }
+        // SAFETY: as `deref`, borrowed mutably through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr().cast::<T>(), self.len) }
     }
 }
 
@@ -137,5 +207,36 @@ impl<T: bytemuck::Pod + PartialEq> PartialEq for Lines<T> {
 impl<T: bytemuck::Pod + std::fmt::Debug> std::fmt::Debug for Lines<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self[..].fmt(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Lines, HUGE};
+
+    #[test]
+    fn lines_start_on_their_boundary_and_hold_zeros_then_what_is_written() {
+        for (len, align) in [
+            (0usize, 64usize),
+            (1, 64),
+            (1000, 64),
+            (HUGE / 4 - 1, 64),
+            (HUGE / 4, HUGE),
+            (HUGE / 4 * 3 + 5, HUGE),
+        ] {
+            let mut l = Lines::<f32>::zeroed(len);
+            assert_eq!(l.len(), len);
+            assert_eq!(l.as_ptr() as usize % align, 0, "{len} values");
+            assert!(l.iter().all(|&v| v == 0.0), "{len} values");
+            for (i, v) in l.iter_mut().enumerate() {
+                *v = i as f32;
+            }
+            let c = l.clone();
+            assert_ne!(c.as_ptr(), l.as_ptr());
+            assert_eq!(c, l);
+            assert_eq!(c.last().copied(), len.checked_sub(1).map(|i| i as f32));
+        }
+        let v: Vec<u8> = (0..=255).cycle().take(HUGE + 7).collect();
+        assert_eq!(&Lines::from(v.clone())[..], &v[..]);
     }
 }
