@@ -82,8 +82,9 @@ pub fn peak_since(m: Mark) -> Option<u64> {
 /// length is a multiple of 64 start each group on a cache line) or a GDN state (`Lines<f32>`,
 /// so that each head and each of its rows start a line).
 ///
-/// A buffer of [`HUGE`] bytes or more starts on a 2 MiB boundary, and on Linux its whole 2 MiB
-/// pages are advised as transparent huge pages before their first touch: a decode step streams every packed matrix
+/// A buffer of [`HUGE`] bytes or more starts on a 2 MiB boundary, and on Linux is a mapping of
+/// its own whose whole 2 MiB pages are advised as transparent huge pages before their first
+/// touch ([`map_huge`]): a decode step streams every packed matrix
 /// and every GDN state once, and with 4 KiB pages each page is a TLB miss on the way. Where
 /// the kernel grants no huge page (THP `never`, or no contiguous memory) the advice is a no-op
 /// and the buffer is an ordinary one.
@@ -121,16 +122,7 @@ impl<T: bytemuck::Pod> Lines<T> {
             std::alloc::handle_alloc_error(layout);
         }
         let ptr = if layout.align() == HUGE {
-            // SAFETY: the layout's size is non-zero.
-            let p = unsafe { std::alloc::alloc(layout) };
-            if !p.is_null() {
-                // Only the whole 2 MiB pages: a huge page over the tail would make its first
-                // touch back up to 2 MiB that the buffer does not hold.
-                advise_huge(p, layout.size() / HUGE * HUGE);
-                // SAFETY: `p` holds `layout.size()` writable bytes.
-                unsafe { std::ptr::write_bytes(p, 0, layout.size()) };
-            }
-            p
+            map_huge(layout.size())
         } else {
             // SAFETY: the layout's size is non-zero.
             unsafe { std::alloc::alloc_zeroed(layout) }
@@ -146,23 +138,84 @@ impl<T: bytemuck::Pod> Lines<T> {
     }
 }
 
-/// Asks for transparent huge pages over `len` bytes from `p` (2 MiB boundaries), before any
-/// of them is touched so the first touch faults in whole 2 MiB pages. Advice only: a kernel
-/// that refuses it leaves ordinary pages.
+/// `size` zero bytes from a 2 MiB boundary, in a mapping of their own (Linux): the kernel's
+/// zero pages, so nothing is written until the buffer is (a GDN rollback cell that the CPU
+/// never writes stays unbacked), and whose whole 2 MiB pages are advised as transparent huge
+/// pages before their first touch. Only the whole 2 MiB pages: a huge page over the tail would
+/// make its first touch back up to 2 MiB the buffer does not hold. Advice only: a kernel that
+/// refuses it leaves ordinary pages. Such buffers bypass the counting allocator, as a file
+/// mapping does. Null when the mapping fails.
 #[cfg(target_os = "linux")]
-fn advise_huge(p: *mut u8, len: usize) {
-    // SAFETY: `p..p + len` is one live allocation of ours; MADV_HUGEPAGE changes how its
-    // pages are backed, never their contents.
-    unsafe { libc::madvise(p.cast(), len, libc::MADV_HUGEPAGE) };
+fn map_huge(size: usize) -> *mut u8 {
+    let len = size.next_multiple_of(PAGE);
+    let span = len + HUGE;
+    // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if base == libc::MAP_FAILED {
+        return std::ptr::null_mut();
+    }
+    let b = base as usize;
+    let p = b.next_multiple_of(HUGE);
+    // SAFETY: the slack before `p` and after `p + len` lies inside the mapping made above and
+    // holds nothing; `p..p + len` is the buffer, and MADV_HUGEPAGE changes how its pages are
+    // backed, never their contents.
+    unsafe {
+        if p > b {
+            libc::munmap(base, p - b);
+        }
+        if b + span > p + len {
+            libc::munmap((p + len) as *mut libc::c_void, b + span - (p + len));
+        }
+        libc::madvise(
+            p as *mut libc::c_void,
+            len / HUGE * HUGE,
+            libc::MADV_HUGEPAGE,
+        );
+    }
+    p as *mut u8
+}
+
+/// Unmaps a [`map_huge`] buffer of `size` bytes.
+#[cfg(target_os = "linux")]
+fn unmap_huge(p: *mut u8, size: usize) {
+    // SAFETY: `p..p + size` (whole pages) is what `map_huge(size)` left mapped.
+    unsafe { libc::munmap(p.cast(), size.next_multiple_of(PAGE)) };
+}
+
+#[cfg(target_os = "linux")]
+const PAGE: usize = 4096;
+
+/// Elsewhere a large buffer is an ordinary zeroed allocation on a 2 MiB boundary.
+#[cfg(not(target_os = "linux"))]
+fn map_huge(size: usize) -> *mut u8 {
+    // SAFETY: the layout's size is non-zero and HUGE a power of two.
+    unsafe { std::alloc::alloc_zeroed(Layout::from_size_align_unchecked(size, HUGE)) }
 }
 
 #[cfg(not(target_os = "linux"))]
-fn advise_huge(_: *mut u8, _: usize) {}
+fn unmap_huge(p: *mut u8, size: usize) {
+    // SAFETY: `p` came from `map_huge(size)`, that layout.
+    unsafe { std::alloc::dealloc(p, Layout::from_size_align_unchecked(size, HUGE)) };
+}
 
 impl<T> Drop for Lines<T> {
     fn drop(&mut self) {
-        // SAFETY: `ptr` came from `alloc` / `alloc_zeroed` with this same layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) };
+        let layout = Self::layout(self.len);
+        if layout.align() == HUGE {
+            unmap_huge(self.ptr.as_ptr(), layout.size());
+        } else {
+            // SAFETY: `ptr` came from `alloc_zeroed` with this same layout.
+            unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
     }
 }
 
@@ -238,5 +291,31 @@ mod tests {
         }
         let v: Vec<u8> = (0..=255).cycle().take(HUGE + 7).collect();
         assert_eq!(&Lines::from(v.clone())[..], &v[..]);
+    }
+
+    /// How many of the 4 KiB pages of `l` are resident (`mincore`): exact for the range,
+    /// whatever mapping the kernel merged it into.
+    #[cfg(target_os = "linux")]
+    fn resident_pages(l: &Lines<u8>) -> usize {
+        let pages = l.len().div_ceil(4096);
+        let mut v = vec![0u8; pages];
+        // SAFETY: `l` is page-aligned (2 MiB) and `v` holds a byte per page of its length.
+        let rc = unsafe { libc::mincore(l.as_ptr() as *mut _, l.len(), v.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore");
+        v.iter().filter(|&&b| b & 1 == 1).count()
+    }
+
+    /// A large buffer is the kernel's zero pages until written (a GDN rollback cell the CPU
+    /// never writes costs no memory), and its first write backs only the pages written.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_large_buffer_is_backed_only_where_written() {
+        let mut l = Lines::<u8>::zeroed(8 * HUGE + 100);
+        assert_eq!(resident_pages(&l), 0);
+        l[3 * HUGE + 5] = 1;
+        let n = resident_pages(&l);
+        // One page: 4 KiB, or 2 MiB where the kernel grants the huge page.
+        assert!((1..=512).contains(&n), "{n} pages resident after one write");
+        assert_eq!(l.iter().map(|&b| u32::from(b)).sum::<u32>(), 1);
     }
 }
