@@ -84,10 +84,10 @@ pub fn peak_since(m: Mark) -> Option<u64> {
 ///
 /// A buffer of [`HUGE`] bytes or more starts on a 2 MiB boundary, and on Linux is a mapping of
 /// its own whose whole 2 MiB pages are advised as transparent huge pages before their first
-/// touch ([`map_huge`]): a decode step streams every packed matrix
-/// and every GDN state once, and with 4 KiB pages each page is a TLB miss on the way. Where
-/// the kernel grants no huge page (THP `never`, or no contiguous memory) the advice is a no-op
-/// and the buffer is an ordinary one.
+/// touch ([`map_huge`]): a decode step streams every packed matrix once (and every GDN state,
+/// which on a large model is a layer's `Lines` of 2 MiB or more), and with 4 KiB pages each
+/// page is a TLB miss on the way. Where the kernel grants no huge page (THP `never`, or no
+/// contiguous memory) the advice is a no-op and the buffer is an ordinary one.
 pub struct Lines<T> {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
@@ -139,8 +139,8 @@ impl<T: bytemuck::Pod> Lines<T> {
 }
 
 /// `size` zero bytes from a 2 MiB boundary, in a mapping of their own (Linux): the kernel's
-/// zero pages, so nothing is written until the buffer is (a GDN rollback cell that the CPU
-/// never writes stays unbacked), and whose whole 2 MiB pages are advised as transparent huge
+/// zero pages, so nothing is written until the buffer is (a large GDN rollback cell, which the
+/// CPU never writes, stays unbacked), and whose whole 2 MiB pages are advised as transparent huge
 /// pages before their first touch. Only the whole 2 MiB pages: a huge page over the tail would
 /// make its first touch back up to 2 MiB the buffer does not hold. Advice only: a kernel that
 /// refuses it leaves ordinary pages. Such buffers bypass the counting allocator, as a file

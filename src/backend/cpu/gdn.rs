@@ -91,9 +91,10 @@ impl Pending {
     /// Rows to fold in: none in a rollback cell, which only marks how many rows restoring it
     /// keeps.
     fn to_fold(&self) -> usize {
-        match self.data.is_empty() {
-            true => 0,
-            false => self.rows,
+        if self.data.is_empty() {
+            0
+        } else {
+            self.rows
         }
     }
 }
