@@ -212,8 +212,13 @@ pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
                     .iter()
                     .flatten()
                     .map(|w| {
+                        // What the serving path reads: the packed copy where the matrix
+                        // has one, else a decoded f32 copy, else the mapped bytes.
                         let b = be.weight_bytes(w);
-                        b.mapped + b.owned
+                        [b.shared, b.owned, b.mapped]
+                            .into_iter()
+                            .find(|&n| n > 0)
+                            .unwrap_or(0)
                     })
                     .sum();
                 (*name, ms, bytes)

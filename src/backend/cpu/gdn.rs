@@ -70,7 +70,7 @@ pub(super) fn gdn(
 /// plain step. A depth-2 verify's GDN cores from memory on bench-0.8b PQ2_0 (`xtask bench
 /// --step`, the builds alternated three times, Zen 4, 2 threads) went from 3.26 / 3.37 / 3.49
 /// to 2.88 / 2.63 / 2.43 ms, where one row's take 1.15-1.33 ms.
-#[derive(Clone, Debug, Default)]
+#[derive(Debug, Default)]
 pub struct Pending {
     /// Rows to fold in, oldest first (in a cell: the rows that restoring it keeps).
     rows: usize,
@@ -80,6 +80,23 @@ pub struct Pending {
     d: usize,
     /// Per V head, `room` records of `1 + 2d` floats: a row's decay, its k and its δ.
     data: Vec<f32>,
+    /// The records a batch folded in, kept for the next verify batch's: a verify allocated
+    /// and zeroed a fresh buffer every round before (48 KiB a layer at depth 2 on bench-0.8b),
+    /// now two buffers take turns.
+    spare: Vec<f32>,
+}
+
+/// A copy keeps the records to fold in, not the spare: it holds nothing a state reads.
+impl Clone for Pending {
+    fn clone(&self) -> Pending {
+        Pending {
+            rows: self.rows,
+            room: self.room,
+            d: self.d,
+            data: self.data.clone(),
+            spare: Vec::new(),
+        }
+    }
 }
 
 impl Pending {
@@ -137,7 +154,7 @@ impl Recurrent {
 /// `s`, with the arithmetic [`head_scan`] uses on this CPU.
 fn settle(s: &mut [f32], recs: &[f32], rows: usize, d: usize) {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if fused_sweep() {
         // SAFETY: the features are present.
         return unsafe { settle_fma(s, recs, rows, d) };
     }
@@ -213,19 +230,26 @@ pub(super) fn gdn_batch(
     let out_of_place: Vec<bool> = seqs.iter().map(|s| s.cells.is_some()).collect();
     let rl = Pending::record(d);
     // Each state's pending rows, to fold in, and the records a verify batch leaves.
-    let olds: Vec<Pending> = seqs
+    let mut olds: Vec<Pending> = seqs
         .iter_mut()
         .map(|s| std::mem::take(&mut s.state.pending))
         .collect();
     let mut news: Vec<Pending> = seqs
         .iter()
-        .map(|s| match s.cells {
-            Some(_) => Pending {
-                rows: s.rows,
-                room: s.rows,
-                d,
-                data: vec![0.0; p.n_v * s.rows * rl],
-            },
+        .zip(olds.iter_mut())
+        .map(|(s, old)| match s.cells {
+            Some(_) => {
+                let mut data = std::mem::take(&mut old.spare);
+                data.clear();
+                data.resize(p.n_v * s.rows * rl, 0.0);
+                Pending {
+                    rows: s.rows,
+                    room: s.rows,
+                    d,
+                    data,
+                    spare: Vec::new(),
+                }
+            }
             None => Pending::default(),
         })
         .collect();
@@ -348,12 +372,20 @@ pub(super) fn gdn_batch(
     }
     drop(tasks);
     drop(convs);
-    let mut olds = olds;
-    for (i, ((s, mut conv), new)) in seqs.iter_mut().zip(conv_new).zip(news).enumerate() {
+    for (i, ((s, mut conv), mut new)) in seqs.iter_mut().zip(conv_new).zip(news).enumerate() {
         // A sequence of no rows ran no task: its pending rows are still to fold in.
         s.state.pending = match s.rows {
             0 => std::mem::take(&mut olds[i]),
-            _ => new,
+            _ => {
+                // The folded records, or the spare a plain step carries, whichever is larger.
+                let old = std::mem::take(&mut olds[i]);
+                new.spare = if old.data.capacity() >= old.spare.capacity() {
+                    old.data
+                } else {
+                    old.spare
+                };
+                new
+            }
         };
         let Some(last) = conv.pop() else {
             continue; // shifted in place by its conv tasks
@@ -516,6 +548,14 @@ struct HeadState<'a> {
     rec: &'a mut [f32],
 }
 
+/// Whether this CPU runs the sweep with fused multiply-adds (`head_scan`'s AVX2 + FMA and
+/// AVX-512 kernels): the fold of a verify's records (`settle`) must round as the sweep did, so
+/// both ask here.
+#[cfg(target_arch = "x86_64")]
+fn fused_sweep() -> bool {
+    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+}
+
 /// V head `j` over `rows`: the delta rule on its state (`S[i][j']`, j' fastest), then the
 /// gated RMSNorm, into `y`.
 #[allow(clippy::too_many_arguments)]
@@ -531,7 +571,7 @@ fn head_scan(
     y: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
-    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+    if fused_sweep() {
         // SAFETY: the features are present.
         return unsafe {
             if is_x86_feature_detected!("avx512f") {
@@ -1151,6 +1191,28 @@ mod tests {
             live.ssm[..] != before[..],
             "the second batch folds in the first's rows"
         );
+        // Consecutive verify batches take turns with two record buffers; a plain step keeps
+        // the one it folded in for the next verify.
+        {
+            let mut s = fresh();
+            let mut ptrs = Vec::new();
+            for i in 0..4 {
+                if i == 3 {
+                    drop(feed(&mut s, 9));
+                    assert!(s.pending.data.is_empty() && s.pending.spare.as_ptr() == ptrs[2]);
+                }
+                drop(snapshot(&mut s, &mut cells(2), 3 * i, 3));
+                ptrs.push(s.pending.data.as_ptr());
+            }
+            assert!(
+                ptrs[0] == ptrs[2] && ptrs[0] != ptrs[1] && ptrs[3] == ptrs[2],
+                "record buffers {ptrs:?}"
+            );
+            assert!(
+                s.clone().pending.spare.is_empty(),
+                "a copy leaves the spare"
+            );
+        }
         // The same rows one at a time.
         let mut st = fresh();
         let mut y1 = Vec::new();
