@@ -83,6 +83,63 @@ pub fn packs(ty: GgmlType, k: usize) -> bool {
     }
 }
 
+/// How the serving path holds a matrix it copies at load (see [`layout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Repacked for the VNNI kernels ([`pack_rows`], read by [`dot_span`]).
+    Packed,
+    /// PTQ1_0 rows rewritten as stored PQ2_0 blocks of the same values ([`transcode_rows`]),
+    /// read by the stored-row PQ2_0 kernels where the packed ones are missing: PTQ1_0's own
+    /// kernels pull five trits out of each byte, and without VNNI that bound them far below
+    /// the memory. Single-threaded in L2 on the Zen 4 bench machine (`bench --kernels
+    /// --span`, AVX2 rows, 1,024 columns), PTQ1_0's AVX2 span kernel ran at 4.45 GB/s of its
+    /// 28-byte blocks (20.3 G weights/s) and PQ2_0's at 14.88 GB/s of 34-byte blocks (56.0 G
+    /// weights/s), the portable kernels at 0.17 and 1.28 GB/s.
+    Transcoded,
+}
+
+/// How the serving path copies a `ty` matrix of `k` columns at load on this CPU, if at all:
+/// packed where the packed kernels take it ([`packs`]); on x86 a PTQ1_0 matrix they do not
+/// take (a CPU without AVX-512 VNNI, or a width that is not whole 512-column groups) is
+/// transcoded to PQ2_0 blocks ([`Layout::Transcoded`]). Arm keeps PTQ1_0 as stored: its NEON
+/// kernels are not measured against PQ2_0's yet.
+pub fn layout(ty: GgmlType, k: usize) -> Option<Layout> {
+    if packs(ty, k) {
+        Some(Layout::Packed)
+    } else if cfg!(target_arch = "x86_64") && transcodes(ty, k) {
+        Some(Layout::Transcoded)
+    } else {
+        None
+    }
+}
+
+/// Whether `ty` rows of `k` columns can be transcoded ([`Layout::Transcoded`]), on any CPU.
+pub fn transcodes(ty: GgmlType, k: usize) -> bool {
+    ty == GgmlType::PTQ1_0 && k > 0 && k.is_multiple_of(128)
+}
+
+/// Copies stored `ty` rows of `k` columns (`src`, whole rows) into `dst` in `layout`, one row of
+/// [`packed_row_bytes`] per stored row.
+pub fn copy_rows(layout: Layout, ty: GgmlType, src: &[u8], k: usize, dst: &mut [u8]) {
+    match layout {
+        Layout::Packed => pack_rows(ty, src, k, dst),
+        Layout::Transcoded => transcode_rows(ty, src, k, dst),
+    }
+}
+
+/// Rewrites stored PTQ1_0 rows of `k` columns as stored PQ2_0 rows of the same values (see
+/// [`Layout::Transcoded`]).
+pub fn transcode_rows(ty: GgmlType, src: &[u8], k: usize, dst: &mut [u8]) {
+    let (rb, pb) = (row_bytes(ty, k), packed_row_bytes(ty, k));
+    assert!(
+        transcodes(ty, k) && src.len().is_multiple_of(rb) && dst.len() == src.len() / rb * pb,
+        "packed::transcode_rows: {} bytes into {} for {ty} rows of {k}",
+        src.len(),
+        dst.len()
+    );
+    ptq1_0_as_pq2_0(src, dst);
+}
+
 /// The type of a packed `ty` matrix's blocks: PTQ1_0 packs as PQ2_0, the others as they are.
 /// The packed rows' kernel, their activations, [`unpack_row`] and the panel decoder all take
 /// this type.

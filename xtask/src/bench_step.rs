@@ -82,7 +82,18 @@ fn time_ms(reps: usize, mut f: impl FnMut()) -> f64 {
     )
 }
 
-pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
+/// How `bench --step` has the serving path hold the matrices (`--copies`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Copies {
+    /// As `serve` does on this CPU (`CpuBackend::int8`).
+    Native,
+    /// As a CPU without the packed kernels does (`CpuBackend::int8_transcoded`).
+    Transcoded,
+    /// Every matrix read as stored (`CpuBackend::int8_unpacked`).
+    Stored,
+}
+
+pub fn run(files: &[PathBuf], decode: usize, rows: usize, held: Copies) -> Result<()> {
     let threads = rayon::current_num_threads();
     println!("{} | rayon threads {threads}", load_average());
     // 512 MiB, touched once so that the passes read memory, not fresh zero pages.
@@ -115,7 +126,11 @@ pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
         region(true)
     );
     for f in files {
-        let be = CpuBackend::int8();
+        let be = match held {
+            Copies::Native => CpuBackend::int8(),
+            Copies::Transcoded => CpuBackend::int8_transcoded(),
+            Copies::Stored => CpuBackend::int8_unpacked(),
+        };
         let m = Model::open(&be, f).with_context(|| format!("loading {}", f.display()))?;
         let cfg = &m.cfg;
         let streamed = streamed_bytes(&m.file);
@@ -318,7 +333,8 @@ pub fn run(files: &[PathBuf], decode: usize, rows: usize) -> Result<()> {
         });
         let matmul: f64 = classes.iter().map(|c| c.1).sum();
         println!(
-            "\n{}: {:.1} MB read per token, {threads} threads, matmuls of {rows} token row(s)",
+            "\n{}: {:.1} MB read per token, {threads} threads, matmuls of {rows} token row(s), \
+             matrices {held:?}",
             f.display(),
             streamed as f64 / 1e6
         );

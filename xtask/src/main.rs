@@ -61,14 +61,17 @@ const USAGE: &str = "usage: cargo xtask <task>
                         only the decode-shape table: one activation row at bench-0.8b's row
                         widths, in L2, per row (dot_rows) and per span (dot_span), GB/s;
                         Q8_0 also as the serving path packs it (the packed row)
-  bench --step [--decode N] [--rows R] [FILE...]
+  bench --step [--decode N] [--rows R] [--copies native|transcoded|stored] [FILE...]
                         a one-row decode step's wall time split on the CPU serving path: matmul
                         ms per class of matrix (GDN/attention in and out, FFN, output head), the
                         rest, the GDN cores (ms, GB/s of state, in cache and from memory;
                         from memory also as a depth-2 verify with its rollback), argmax,
                         context switches per step, against the read bandwidth of 1 and all
                         threads and the bytes a token reads; default files as bench
-                        (--rows R: the matmul classes with R token rows, as R streams' step)
+                        (--rows R: the matmul classes with R token rows, as R streams' step;
+                        --copies: the matrices as serve holds them on this CPU, as a CPU
+                        without the packed kernels does (PTQ1_0 transcoded to PQ2_0), or as
+                        stored)
   bench --vision [--no-llama] [--runs N] [--model F] [--mmproj F] [--image F]
                         image tokens/s of one encode on the CPU, tern vs llama.cpp (mtmd, the
                         Python binding) on the same projector and image (default: the fixtures'
@@ -606,9 +609,10 @@ fn bench_depth_cli(root: &std::path::Path, args: &[String], at: usize) -> Result
     bench_depth::run(root, &o)
 }
 
-/// `bench --step [--decode N] [--rows R] [FILE...]`.
+/// `bench --step [--decode N] [--rows R] [--copies native|transcoded|stored] [FILE...]`.
 fn bench_step_cli(root: &std::path::Path, args: &[String]) -> Result<()> {
     let (mut files, mut decode, mut rows) = (Vec::new(), 32, 1);
+    let mut copies = bench_step::Copies::Native;
     let mut it = args.iter().filter(|a| *a != "--step");
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -624,6 +628,14 @@ fn bench_step_cli(root: &std::path::Path, args: &[String]) -> Result<()> {
                     _ => bail!("--rows needs 1 to 4\n{USAGE}"),
                 }
             }
+            "--copies" => {
+                copies = match it.next().map(String::as_str) {
+                    Some("native") => bench_step::Copies::Native,
+                    Some("transcoded") => bench_step::Copies::Transcoded,
+                    Some("stored") => bench_step::Copies::Stored,
+                    _ => bail!("--copies needs native, transcoded or stored\n{USAGE}"),
+                }
+            }
             f if !f.starts_with("--") => files.push(PathBuf::from(f)),
             other => bail!("bench --step: unknown option {other}\n{USAGE}"),
         }
@@ -637,7 +649,7 @@ fn bench_step_cli(root: &std::path::Path, args: &[String]) -> Result<()> {
             f.display()
         );
     }
-    bench_step::run(&files, decode, rows)
+    bench_step::run(&files, decode, rows, copies)
 }
 
 /// The bench files `cargo xtask fixtures --bench` writes, when no file is named.

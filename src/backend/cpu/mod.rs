@@ -25,7 +25,7 @@ use super::{
     AttnParams, AttnSeq, Backend, BackendError, Fold, GdnParams, GdnWeights, KvTypes, WeightSource,
 };
 use crate::alloc::Lines;
-use crate::quant::{self, hadamard::HadamardConfig};
+use crate::quant::{self, hadamard::HadamardConfig, packed::Layout};
 use crate::tensor::GgmlType;
 use math::{sigmoid, silu};
 
@@ -41,8 +41,11 @@ mod step;
 /// `serve`).
 pub struct CpuBackend {
     int8: bool,
-    /// Whether `upload` packs the matrices `quant::packed::packs` takes (the serving path).
+    /// Whether `upload` copies the matrices `quant::packed::layout` takes (the serving path).
     pack: bool,
+    /// Whether `upload` lays the copies out as on a CPU without the packed kernels: nothing
+    /// packed, PTQ1_0 transcoded (tests and benches of that path on any x86 CPU).
+    as_without_packed: bool,
     /// The packed copies made so far, by the address of the stored rows: a tensor used twice
     /// (the tied output head, the draft head's first rows of it) shares one copy.
     packed: Mutex<HashMap<usize, Weak<Lines<u8>>>>,
@@ -59,6 +62,7 @@ impl CpuBackend {
         CpuBackend {
             int8,
             pack,
+            as_without_packed: false,
             packed: Mutex::new(HashMap::new()),
         }
     }
@@ -79,15 +83,35 @@ impl CpuBackend {
         CpuBackend::with(true, false)
     }
 
+    /// `int8` with the copies a CPU without the packed kernels (no AVX-512 VNNI) makes:
+    /// PTQ1_0 matrices transcoded to PQ2_0 blocks (`quant::packed::Layout::Transcoded`), the
+    /// others read in place. For the tests and benches of that path on this CPU.
+    pub fn int8_transcoded() -> Self {
+        CpuBackend {
+            as_without_packed: true,
+            ..CpuBackend::with(true, true)
+        }
+    }
+
+    /// How `upload` copies `w`, if at all (see `quant::packed::layout`).
+    fn layout(&self, w: &WeightSource) -> Option<Layout> {
+        let (ty, k) = (w.info.ty, w.shape2().0);
+        match (self.pack && !w.decode_once(), self.as_without_packed) {
+            (false, _) => None,
+            (true, false) => quant::packed::layout(ty, k),
+            (true, true) => quant::packed::transcodes(ty, k).then_some(Layout::Transcoded),
+        }
+    }
+
     /// `int8` unless `exact`; `int8_unpacked` unless `repack`.
     pub fn serving(exact: bool, repack: bool) -> Self {
         CpuBackend::with(!exact, !exact && repack)
     }
 
-    /// The packed copy of `w`'s rows, made on its first use. A use that asks for fewer rows of
-    /// the same stored bytes (the draft head) reads the first rows of the longer copy; the
-    /// model loader takes the whole table first.
-    fn packed_rows(&self, w: &WeightSource) -> Arc<Lines<u8>> {
+    /// The copy of `w`'s rows in `layout`, made on its first use. A use that asks for fewer
+    /// rows of the same stored bytes (the draft head) reads the first rows of the longer copy;
+    /// the model loader takes the whole table first.
+    fn packed_rows(&self, w: &WeightSource, layout: Layout) -> Arc<Lines<u8>> {
         let (ne0, _) = w.shape2();
         let bytes = w.bytes();
         let key = bytes.as_ptr() as usize;
@@ -104,7 +128,7 @@ impl CpuBackend {
         let rows_per_task = (INT8_TASK_BYTES / rb).max(1);
         p.par_chunks_mut(rows_per_task * pb)
             .zip(bytes.par_chunks(rows_per_task * rb))
-            .for_each(|(d, s)| quant::packed::pack_rows(w.info.ty, s, ne0, d));
+            .for_each(|(d, s)| quant::packed::copy_rows(layout, w.info.ty, s, ne0, d));
         w.file.release(&w.info);
         let p = Arc::new(p);
         map.insert(key, Arc::downgrade(&p));
@@ -252,7 +276,7 @@ fn products_int8_rows(jobs: &mut [(&Weight, &quant::int8::QActs, &mut Tensor)]) 
                 // SAFETY: job j's output holds one row of `n_out` (checked above); this task
                 // alone writes its columns r0..r1.
                 let o = unsafe { std::slice::from_raw_parts_mut(dst.at(r0), r1 - r0) };
-                if w.packed.is_some() {
+                if w.layout == Some(Layout::Packed) {
                     quant::packed::dot_span(rows, acts, 0, 1, o);
                 } else {
                     int8::dot_span(rows, acts, 0, o);
@@ -265,7 +289,7 @@ fn products_int8_rows(jobs: &mut [(&Weight, &quant::int8::QActs, &mut Tensor)]) 
             for t0 in (0..n_tok).step_by(MAX_ROWS) {
                 let n = MAX_ROWS.min(n_tok - t0);
                 o.resize((r1 - r0) * n, 0.0);
-                if w.packed.is_some() {
+                if w.layout == Some(Layout::Packed) {
                     quant::packed::dot_span(rows, acts, t0, n, &mut o);
                 } else {
                     int8::dot_span_rows(rows, acts, t0, n, &mut o);
@@ -326,7 +350,7 @@ fn product_int8_tiled(w: &Weight, x: &[f32], out: &mut Tensor) {
             |(panel, buf), c| {
                 let (r0, r1) = (c * TILED_ROWS, ((c + 1) * TILED_ROWS).min(n_out));
                 let rows = &w.rows_bytes()[r0 * w.row_bytes..r1 * w.row_bytes];
-                if w.packed.is_some() {
+                if w.layout == Some(Layout::Packed) {
                     panel.decode_packed(w.ty, rows, r1 - r0, k);
                 } else {
                     panel.decode(w.ty, rows, r1 - r0, k);
@@ -374,11 +398,13 @@ impl Tensor {
 
 pub struct Weight {
     src: WeightSource,
-    /// The rows packed for the serving path's kernels (`quant::packed`), shared by every use
+    /// The rows copied for the serving path's kernels (`quant::packed`), shared by every use
     /// of the tensor; `rows * row_bytes` of it are this weight's.
     packed: Option<Arc<Lines<u8>>>,
-    /// The type and row length of the rows the kernels read: the stored ones, or the packed
-    /// ones (`quant::packed::packed_type`: a packed PTQ1_0 matrix holds PQ2_0 blocks).
+    /// How `packed` lays them out.
+    layout: Option<Layout>,
+    /// The type and row length of the rows the kernels read: the stored ones, or the copied
+    /// ones (`quant::packed::packed_type`: a copied PTQ1_0 matrix holds PQ2_0 blocks).
     ty: GgmlType,
     ne0: usize,
     rows: usize,
@@ -806,7 +832,7 @@ fn planned(w: &WeightSource, pack: bool) -> super::WeightBytes {
         (true, false) => f32s,
         (true, true) => f32s.saturating_mul(2),
     };
-    let packed = (pack && packs(w))
+    let packed = (pack && copies(w))
         .then(|| quant::packed::packed_len(w.info.ty, ne0, w.info.nbytes as usize) as u64);
     super::WeightBytes {
         tensor: w.info.name.clone(),
@@ -816,9 +842,10 @@ fn planned(w: &WeightSource, pack: bool) -> super::WeightBytes {
     }
 }
 
-/// Whether the serving path packs `w`: a matrix (not decoded to f32) `quant::packed` takes.
-fn packs(w: &WeightSource) -> bool {
-    !w.decode_once() && quant::packed::packs(w.info.ty, w.shape2().0)
+/// Whether the serving path copies `w` (`CpuBackend::layout`): a matrix (not decoded to f32)
+/// `quant::packed::layout` takes on this CPU.
+fn copies(w: &WeightSource) -> bool {
+    !w.decode_once() && quant::packed::layout(w.info.ty, w.shape2().0).is_some()
 }
 
 impl Backend for CpuBackend {
@@ -856,8 +883,9 @@ impl Backend for CpuBackend {
                 .flat_map(|i| (0..rows).map(move |r| d[r * ne0 + i]))
                 .collect()
         });
-        let packed = (self.pack && packs(w)).then(|| self.packed_rows(w));
-        // A packed matrix is read as its packed type (PTQ1_0 as PQ2_0) by every int8 path.
+        let layout = self.layout(w);
+        let packed = layout.map(|l| self.packed_rows(w, l));
+        // A copied matrix is read as its copy's type (PTQ1_0 as PQ2_0) by every int8 path.
         let (ty, row_bytes) = match packed {
             Some(_) => (
                 quant::packed::packed_type(ty),
@@ -868,6 +896,7 @@ impl Backend for CpuBackend {
         Ok(Weight {
             src: w.clone(),
             packed,
+            layout,
             dense_t,
             ty,
             ne0,
@@ -954,8 +983,11 @@ impl Backend for CpuBackend {
                     table.rows
                 );
                 let r = id as usize;
-                let bytes = match table.packed {
-                    Some(_) => {
+                let bytes = match table.layout {
+                    Some(Layout::Transcoded) => {
+                        &table.rows_bytes()[r * table.row_bytes..][..table.row_bytes]
+                    }
+                    Some(Layout::Packed) => {
                         stored.resize(table.row_bytes, 0);
                         let p = &table.rows_bytes()[r * table.row_bytes..][..table.row_bytes];
                         quant::packed::unpack_row(table.ty, p, table.ne0, stored);
@@ -1497,19 +1529,17 @@ mod tests {
         assert_eq!(planned_weight_bytes(&src).mapped, info.nbytes);
     }
 
-    /// A PTQ1_0 matrix on the serving path is packed as PQ2_0 blocks of the same values: its
-    /// products (one token row, three, and a prefill through the tiled kernel) agree with the
-    /// PTQ1_0 kernels on the stored rows to f32 rounding, since both sum the same integer
-    /// products of the same activation levels; and the planner prices the 34-byte blocks the
-    /// backend holds in place of the file's 28.
+    /// A PTQ1_0 matrix on the serving path is copied as PQ2_0 blocks of the same values:
+    /// packed where the CPU has the packed kernels, else transcoded to stored PQ2_0 rows
+    /// (`int8_transcoded` lays it out so on any x86 CPU). Its products (one token row, three,
+    /// and a prefill through the tiled kernel) agree with the PTQ1_0 kernels on the stored rows
+    /// to f32 rounding, since both sum the same integer products of the same activation levels;
+    /// its embedding rows are the stored rows' values; and the planner prices the 34-byte
+    /// blocks the backend holds in place of the file's 28.
     #[test]
-    fn serving_path_packs_ptq1_0_as_pq2_0_blocks() {
+    fn serving_path_copies_ptq1_0_as_pq2_0_blocks() {
         use crate::gguf::{Gguf, GgufWriter};
         let (k, rows) = (1024usize, 40usize);
-        if !quant::packed::packs(GgmlType::PTQ1_0, k) {
-            eprintln!("this CPU has no packed kernel: nothing is packed");
-            return;
-        }
         let mut seed = 0x9e37_79b9u32;
         let mut rnd = move || {
             seed ^= seed << 13;
@@ -1533,35 +1563,52 @@ mod tests {
             fold: None,
             inverse: None,
         };
-        let packed = CpuBackend::int8().upload(&src).unwrap();
         let stored = CpuBackend::int8_unpacked().upload(&src).unwrap();
         assert_eq!(
-            (packed.ty, packed.row_bytes, stored.ty, stored.row_bytes),
-            (
-                GgmlType::PQ2_0,
-                k / 128 * 34,
-                GgmlType::PTQ1_0,
-                k / 128 * 28
-            )
+            (stored.ty, stored.row_bytes, stored.layout),
+            (GgmlType::PTQ1_0, k / 128 * 28, None)
         );
-        for n_tok in [1, 3, 40] {
-            let x: Vec<f32> = (0..n_tok * k).map(|_| rnd()).collect();
-            let (a, b) = (product(&packed, &x, true), product(&stored, &x, true));
-            // Terms of magnitude up to |x| |w| ~ 1 over 1,024 columns: f32 sums of the same
-            // integer products in another order differ by a few ulps of the partial sums.
-            for (i, (p, q)) in a.data.iter().zip(&b.data).enumerate() {
-                assert!(
-                    (p - q).abs() <= 1e-4,
-                    "{n_tok} rows, output {i}: {p} against {q}"
-                );
-            }
+        let native = quant::packed::layout(GgmlType::PTQ1_0, k);
+        if cfg!(target_arch = "x86_64") {
+            assert!(native.is_some(), "x86 copies PTQ1_0 one way or the other");
         }
-        let held = CpuBackend::int8().weight_bytes(&packed);
-        assert_eq!(held, planned_weight_bytes_serving(&src));
-        assert_eq!(
-            (held.mapped, held.shared),
-            (0, (rows * k / 128 * 34) as u64)
-        );
+        let mut backends = vec![(CpuBackend::int8_transcoded(), Some(Layout::Transcoded))];
+        if native.is_some() {
+            backends.push((CpuBackend::int8(), native));
+        }
+        let ids: Vec<u32> = (0..rows as u32).rev().collect();
+        let want_rows = CpuBackend::int8_unpacked().embed(&stored, &ids);
+        for (be, layout) in backends {
+            let copied = be.upload(&src).unwrap();
+            assert_eq!(
+                (copied.ty, copied.row_bytes, copied.layout),
+                (GgmlType::PQ2_0, k / 128 * 34, layout)
+            );
+            for n_tok in [1, 3, 40] {
+                let x: Vec<f32> = (0..n_tok * k).map(|_| rnd()).collect();
+                let (a, b) = (product(&copied, &x, true), product(&stored, &x, true));
+                // Terms of magnitude up to |x| |w| ~ 1 over 1,024 columns: f32 sums of the
+                // same integer products in another order differ by a few ulps of the partial
+                // sums.
+                for (i, (p, q)) in a.data.iter().zip(&b.data).enumerate() {
+                    assert!(
+                        (p - q).abs() <= 1e-4,
+                        "{layout:?}, {n_tok} rows, output {i}: {p} against {q}"
+                    );
+                }
+            }
+            assert!(
+                be.embed(&copied, &ids).data == want_rows.data,
+                "{layout:?}: embedding rows"
+            );
+            let held = be.weight_bytes(&copied);
+            assert_eq!(
+                (held.mapped, held.shared),
+                (0, (rows * k / 128 * 34) as u64)
+            );
+            // The planner prices this CPU's own layout, which holds the same bytes.
+            assert_eq!(held, planned_weight_bytes_serving(&src));
+        }
     }
 
     /// The AVX-512 and AVX2 scans give the scalar pass's answer: the largest value and the
