@@ -43,10 +43,10 @@ pub struct CpuBackend {
     int8: bool,
     /// Whether `upload` copies the matrices `quant::packed::layout` takes (the serving path).
     pack: bool,
-    /// Whether `upload` lays the copies out as on a CPU without the packed kernels: nothing
-    /// packed, PTQ1_0 transcoded (tests and benches of that path on any x86 CPU).
+    /// Whether `upload` lays the copies out as on an x86 CPU without the packed kernels:
+    /// nothing packed, PTQ1_0 transcoded (tests and benches of that path on any CPU).
     as_without_packed: bool,
-    /// The packed copies made so far, by the address of the stored rows: a tensor used twice
+    /// The copies made so far, by the address of the stored rows: a tensor used twice
     /// (the tied output head, the draft head's first rows of it) shares one copy.
     packed: Mutex<HashMap<usize, Weak<Lines<u8>>>>,
 }
@@ -72,7 +72,9 @@ impl CpuBackend {
     }
 
     /// The serving path: int8 activations against Q8_0, Q4_0, PQ2_0 and PTQ1_0 weights, Q8_0,
-    /// PQ2_0 and PTQ1_0 matrices packed at upload where the CPU has the packed kernels.
+    /// PQ2_0 and PTQ1_0 matrices packed at upload where the CPU has the packed kernels, and on
+    /// x86 the PTQ1_0 matrices they do not take transcoded to PQ2_0 blocks
+    /// (`quant::packed::layout`).
     pub fn int8() -> Self {
         CpuBackend::with(true, true)
     }
@@ -83,9 +85,9 @@ impl CpuBackend {
         CpuBackend::with(true, false)
     }
 
-    /// `int8` with the copies a CPU without the packed kernels (no AVX-512 VNNI) makes:
+    /// `int8` with the copies an x86 CPU without the packed kernels (no AVX-512 VNNI) makes:
     /// PTQ1_0 matrices transcoded to PQ2_0 blocks (`quant::packed::Layout::Transcoded`), the
-    /// others read in place. For the tests and benches of that path on this CPU.
+    /// others read in place. For the tests and benches of that path on any CPU.
     pub fn int8_transcoded() -> Self {
         CpuBackend {
             as_without_packed: true,
