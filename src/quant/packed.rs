@@ -129,7 +129,7 @@ pub fn copy_rows(layout: Layout, ty: GgmlType, src: &[u8], k: usize, dst: &mut [
 
 /// Rewrites stored PTQ1_0 rows of `k` columns as stored PQ2_0 rows of the same values (see
 /// [`Layout::Transcoded`]).
-pub fn transcode_rows(ty: GgmlType, src: &[u8], k: usize, dst: &mut [u8]) {
+fn transcode_rows(ty: GgmlType, src: &[u8], k: usize, dst: &mut [u8]) {
     let (rb, pb) = (row_bytes(ty, k), packed_row_bytes(ty, k));
     assert!(
         transcodes(ty, k) && src.len().is_multiple_of(rb) && dst.len() == src.len() / rb * pb,

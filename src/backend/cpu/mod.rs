@@ -95,13 +95,15 @@ impl CpuBackend {
         }
     }
 
-    /// How `upload` copies `w`, if at all (see `quant::packed::layout`).
+    /// How `upload` copies `w`, if at all: as the serving path does on this CPU
+    /// (`serving_layout`, which the planner prices), or as `int8_transcoded` asks.
     fn layout(&self, w: &WeightSource) -> Option<Layout> {
-        let (ty, k) = (w.info.ty, w.shape2().0);
-        match (self.pack && !w.decode_once(), self.as_without_packed) {
+        match (self.pack, self.as_without_packed) {
             (false, _) => None,
-            (true, false) => quant::packed::layout(ty, k),
-            (true, true) => quant::packed::transcodes(ty, k).then_some(Layout::Transcoded),
+            (true, false) => serving_layout(w),
+            (true, true) => (!w.decode_once()
+                && quant::packed::transcodes(w.info.ty, w.shape2().0))
+            .then_some(Layout::Transcoded),
         }
     }
 
@@ -834,7 +836,7 @@ fn planned(w: &WeightSource, pack: bool) -> super::WeightBytes {
         (true, false) => f32s,
         (true, true) => f32s.saturating_mul(2),
     };
-    let packed = (pack && copies(w))
+    let packed = (pack && serving_layout(w).is_some())
         .then(|| quant::packed::packed_len(w.info.ty, ne0, w.info.nbytes as usize) as u64);
     super::WeightBytes {
         tensor: w.info.name.clone(),
@@ -844,10 +846,14 @@ fn planned(w: &WeightSource, pack: bool) -> super::WeightBytes {
     }
 }
 
-/// Whether the serving path copies `w` (`CpuBackend::layout`): a matrix (not decoded to f32)
-/// `quant::packed::layout` takes on this CPU.
-fn copies(w: &WeightSource) -> bool {
-    !w.decode_once() && quant::packed::layout(w.info.ty, w.shape2().0).is_some()
+/// How the serving path copies `w` on this CPU, if at all: a matrix (not decoded to f32) as
+/// `quant::packed::layout` takes it. `upload` and the planner both ask here.
+fn serving_layout(w: &WeightSource) -> Option<Layout> {
+    if w.decode_once() {
+        None
+    } else {
+        quant::packed::layout(w.info.ty, w.shape2().0)
+    }
 }
 
 impl Backend for CpuBackend {
