@@ -158,6 +158,7 @@ static HEAP: tern::alloc::Counting = tern::alloc::Counting;
 
 fn main() -> ExitCode {
     HEAP.mark_installed();
+    tern::alloc::keep_freed_heap();
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

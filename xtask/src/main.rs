@@ -150,6 +150,7 @@ static HEAP: tern::alloc::Counting = tern::alloc::Counting;
 
 fn main() -> Result<()> {
     HEAP.mark_installed();
+    tern::alloc::keep_freed_heap();
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("fixtures") => {
