@@ -6,11 +6,11 @@ mod common;
 use std::path::Path;
 
 use tern::backend::Backend;
-use tern::model::{Model, MtpRows};
+use tern::model::{BatchItem, Model, MtpRows};
 use tern::runtime::sampler::{Sampler, SamplerConfig};
 use tern::runtime::speculative::{
     break_even, expected_tokens, AdaptiveDepth, Company, Generator, RoundCosts, SpecConfig,
-    PROBE_EVERY, PROBE_FIRST,
+    HELD_ROWS, PROBE_EVERY, PROBE_FIRST,
 };
 
 fn model<B: Backend>(be: &B, name: &str) -> Model<B> {
@@ -459,7 +459,112 @@ fn the_mtp_block_fills_several_heads_in_one_pass<B: Backend>(be: &B) {
     }
 }
 
+/// A round's first draft step takes the rows the last fill held back and writes its own row
+/// ahead (`Mtp::held`, `Mtp::ahead`), and a slot that does not draft holds at most
+/// `HELD_ROWS`: after rounds of any depth, drafted by the head (mostly rejected here) or given
+/// by an oracle (all accepted, so the fill holds several rows), the head's cache and held rows
+/// are every row the trunk kept, in order. Read back through the next draft's logits, against a
+/// fresh head given the whole sequence in one pass with the trunk's h from one prompt pass.
+fn held_rows_reach_the_mtp_cache_in_order<B: Backend>(be: &B) {
+    let m = model(be, "tiny-f32.gguf");
+    let e = m.cfg.n_embd;
+    let (reference, _) = greedy(be, &m, None, 40);
+    let mut held_seen = 0;
+    for n_max in [0, 1, 2, 3] {
+        for oracle_last in [false, true] {
+            let spec = SpecConfig {
+                n_max,
+                n_min: 0,
+                p_min: 0.0,
+                adaptive: false,
+            };
+            let mut g = Generator::new(
+                &m,
+                be,
+                m.new_state(be),
+                Sampler::new(SamplerConfig::greedy()),
+                Some(spec),
+            )
+            .unwrap();
+            let mut out = vec![g.prefill(&PROMPT).unwrap()];
+            for round in 0..9 {
+                let oracle = if oracle_last {
+                    round % 3 == 2
+                } else {
+                    round % 3 == 1
+                };
+                if oracle {
+                    let k = 1 + round % 2;
+                    let drafts = reference[out.len()..out.len() + k].to_vec();
+                    out.extend(g.verify(&drafts).unwrap());
+                } else {
+                    out.extend(g.step().unwrap());
+                }
+                let held = g.slot.mtp.as_ref().unwrap().held.len();
+                assert!(held <= HELD_ROWS.max(n_max), "n_max {n_max}: {held} held");
+            }
+            assert_eq!(&out[..], &reference[..out.len()], "n_max {n_max}");
+            let last = *out.last().unwrap();
+            let fed: Vec<u32> = PROMPT
+                .iter()
+                .chain(&out[..out.len() - 1])
+                .copied()
+                .collect();
+            assert_eq!(g.slot.seq.pos, fed.len(), "n_max {n_max}");
+            let mtp = g.slot.mtp.as_mut().expect("drafting arms the head");
+            assert!(
+                !mtp.ahead,
+                "n_max {n_max}: the verify's fill took the row written ahead"
+            );
+            assert_eq!(mtp.state.pos + mtp.held.len(), fed.len(), "n_max {n_max}");
+            held_seen += mtp.held.len();
+            let mut tokens = mtp.held.clone();
+            tokens.push(last);
+            let h = match &mtp.held_h {
+                Some(held) => be.concat_rows(&[held, &mtp.pending_h]),
+                None => be.rows(&mtp.pending_h, 0, 1),
+            };
+            let got = be.to_host(&m.mtp_draft(be, &mut mtp.state, &tokens, &h).unwrap().logits);
+
+            let mut seq = m.new_state(be);
+            let mut items = [BatchItem {
+                seq: &mut seq,
+                tokens: &fed,
+                image: None,
+                all_rows: false,
+                hidden_rows: true,
+                snapshot: false,
+            }];
+            let trunk = m.forward_batch(be, &mut items).unwrap().pop().unwrap();
+            let zero = be.from_host(&vec![0.0; e], 1, e);
+            let h_prev = be.concat_rows(&[&zero, &trunk.h]);
+            let mut tokens = fed.clone();
+            tokens.push(last);
+            let mut st = m.new_mtp_state(be).unwrap();
+            let want = be.to_host(&m.mtp_draft(be, &mut st, &tokens, &h_prev).unwrap().logits);
+            // The trunk's h of a prompt pass and of decode steps differ in rounding only (the
+            // chunked and the stepwise GDN scan); a row out of place moves the logits by far
+            // more.
+            let worst = want
+                .iter()
+                .zip(&got)
+                .map(|(x, y)| (x - y).abs() / x.abs().max(1.0))
+                .fold(0f32, f32::max);
+            println!(
+                "n_max {n_max}, oracle last {oracle_last}: held {}, worst {worst:e}",
+                mtp.held.len()
+            );
+            assert!(
+                worst < 1e-3,
+                "n_max {n_max}: draft logits differ by {worst}"
+            );
+        }
+    }
+    assert!(held_seen > 0, "some check ran with rows held");
+}
+
 per_backend!(
+    held_rows_reach_the_mtp_cache_in_order,
     drafting_does_not_change_greedy_output,
     oracle_drafts_are_accepted_and_wrong_ones_rolled_back,
     a_reduced_draft_head_scores_the_low_ids,

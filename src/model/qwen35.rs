@@ -568,10 +568,11 @@ impl<B: Backend> Model<B> {
         Ok(Output { logits, h })
     }
 
-    /// [`Model::mtp_forward`] for drafting: with a reduced draft head loaded
+    /// [`Model::mtp_forward`] for drafting, scoring the last row only (the rows before it fill
+    /// the cache: held rows that ride a draft step): with a reduced draft head loaded
     /// ([`super::draft_vocab`]) the logits cover token ids `0..n` only, which a draft needs
     /// (the trunk verifies it); the full head when an adapter changes the head, whose rows the
-    /// reduced one does not carry.
+    /// reduced one does not carry. `h` is the last row's.
     pub fn mtp_draft(
         &self,
         be: &B,
@@ -580,17 +581,26 @@ impl<B: Backend> Model<B> {
         h_prev: &B::T,
     ) -> Result<Output<B::T>, ModelError> {
         let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
-        let site = if mtp.head.is_some() {
-            Site::MtpHead
-        } else {
-            Site::Output
+        let (site, head) = match &mtp.head {
+            Some(w) => (Site::MtpHead, w),
+            None => (Site::Output, &self.w.output),
         };
+        let n = tokens.len();
+        let c = self.mtp_block(be, &mut [MtpRows { st, tokens, h_prev }])?;
+        let c = if n > 1 { be.rows(&c, n - 1, 1) } else { c };
+        let h = be.rms_norm(
+            &c,
+            mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),
+            self.cfg.eps,
+        );
         let adapted = self.adapters.iter().any(|a| a.get(site).is_some());
-        let Some(d) = mtp.draft_head.as_ref().filter(|_| !adapted) else {
-            return self.mtp_forward(be, st, tokens, h_prev);
+        let logits = match mtp.draft_head.as_ref().filter(|_| !adapted) {
+            Some(d) => be.matmul(&d.w, &h),
+            None => {
+                let lora = RowScales::new(self.adapters.len(), [st.lora.as_slice()], [1]);
+                self.mm(be, site, head, &h, &lora)
+            }
         };
-        let h = self.mtp_hidden(be, st, tokens, h_prev)?;
-        let logits = be.matmul(&d.w, &h);
         Ok(Output { logits, h })
     }
 

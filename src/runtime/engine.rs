@@ -877,7 +877,7 @@ impl<B: Backend> Worker<B> {
         let first_h = &outs[0].h;
         self.slots[0]
             .dec
-            .mtp_process(&self.model, &self.be, &first, first_h)
+            .mtp_process(&self.model, &self.be, &first, first_h, false)
             .map_err(model_err)?;
         for o in &outs {
             // Reading the ids back finishes the step on a device.
@@ -1029,6 +1029,7 @@ impl<B: Backend> Worker<B> {
             m.state.skip = 0;
             let ne = self.model.cfg.n_embd;
             m.pending_h = self.be.from_host(&vec![0.0; ne], 1, ne);
+            m.drop_held();
         }
         s.tokens.clear();
         s.images.clear();
@@ -1060,6 +1061,7 @@ impl<B: Backend> Worker<B> {
             m.state.pos = ck.mtp_pos;
             m.state.skip = ck.mtp_skip;
             m.pending_h = self.be.rows(h, 0, 1);
+            m.drop_held();
         }
         s.tokens.truncate(pos);
         s.images.truncate(ck.images);
@@ -1334,6 +1336,9 @@ impl<B: Backend> Worker<B> {
             y.state.skip = x.state.skip;
             y.state.lora = x.state.lora.clone();
             y.pending_h = be.rows(&x.pending_h, 0, 1);
+            y.held = x.held.clone();
+            y.held_h = x.held_h.as_ref().map(|h| be.rows(h, 0, x.held.len()));
+            y.ahead = x.ahead;
         }
         for (x, y) in a.ckpt.rs.iter().zip(b.ckpt.rs.iter_mut()) {
             if let (Some(x), Some(y)) = (x, y) {
@@ -1602,7 +1607,7 @@ impl<B: Backend> Worker<B> {
                     None => {
                         s.tokens.extend_from_slice(toks);
                         s.dec
-                            .mtp_process(&self.model, &self.be, toks, &h)
+                            .mtp_process(&self.model, &self.be, toks, &h, false)
                             .map_err(model_err)?;
                     }
                 }
@@ -1731,7 +1736,8 @@ impl<B: Backend> Worker<B> {
                     .expect("the plan feeds slots in order");
                 work.push((&mut s.dec, *toks, h));
             }
-            SlotDecoder::mtp_process_many(&self.model, &self.be, &mut work).map_err(model_err)?;
+            SlotDecoder::mtp_process_many(&self.model, &self.be, &mut work, true)
+                .map_err(model_err)?;
         }
         // A decode-only step's cost by its rows: forward, sampling and MTP fill.
         let decode_only = plan.iter().all(|f| !f.prefill);

@@ -5,6 +5,14 @@
 //!
 //! `SlotDecoder` holds the per-sequence pieces and the steps of a round; `Generator` drives one
 //! sequence with them, the engine drives many in shared batches.
+//!
+//! The head's cache holds the same rows as llama.cpp's draft-mtp writes, in fewer passes of the
+//! MTP block. llama.cpp runs the block over every verify batch's kept rows (`process`), then
+//! again for the next round's first draft step, which reads the last sampled token and the
+//! trunk's last h: the row that the next `process` writes first. Here the fill holds the kept
+//! rows back ([`Mtp::held`]) and the first draft step takes them in its own pass, keeping its
+//! own row ([`Mtp::ahead`]), so a round reads the block's weights once fewer: a decode step of
+//! bench-0.8b streams them at about the cost of a draft step.
 
 use std::collections::VecDeque;
 use std::time::Instant;
@@ -68,9 +76,10 @@ impl Window {
 
 /// What the parts of a draft round cost on this machine, measured as decoding runs (wall
 /// time; medians of the latest [`COST_WINDOW`], which a shared machine's spikes do not move):
-/// one MTP draft step (the MTP block, the draft head, the argmax), and a decode-only step by
-/// its row count (the trunk's forward, sampling the rows, and the MTP cache fill over the kept
-/// rows; one row is a plain step, a slot's verify batch adds its drafts).
+/// one MTP draft step (the MTP block, the draft head, the argmax; each round's mean, its first
+/// step carrying the rows the fill held back), and a decode-only step by its row count (the
+/// trunk's forward, sampling the rows, and the MTP cache fill of rows past [`HELD_ROWS`]; one
+/// row is a plain step, a slot's verify batch adds its drafts).
 #[derive(Clone, Debug, Default)]
 pub struct RoundCosts {
     draft: Window,
@@ -335,10 +344,37 @@ impl SpecStats {
     }
 }
 
+/// Accepted rows the MTP head's cache holds back for the next draft step, at most this many a
+/// slot (more go through the block at the end of the step, as [`SlotDecoder::mtp_process_many`]
+/// fills them). Rows beyond a verify's own (`n_max`) gather only while a slot does not draft;
+/// a draft step of a few rows more costs what a step of one does, since the block's weight
+/// stream bounds it.
+pub const HELD_ROWS: usize = 4;
+
 pub struct Mtp<B: Backend> {
     pub state: MtpState<B>,
     /// The trunk's `h_nextn` of the last position fed to the trunk (zeros before any).
     pub pending_h: B::T,
+    /// Rows the trunk kept that the head's cache does not hold yet (positions `state.pos..`):
+    /// their tokens and the trunk's `h` of the positions before them. The round's first draft
+    /// step takes them in its own pass of the block, so a round reads the block's weights once
+    /// for the fill and that step where it read them twice (see [`SlotDecoder::draft`]).
+    pub held: Vec<u32>,
+    pub held_h: Option<B::T>,
+    /// The cache already holds the row of the last sampled token (the round's first draft
+    /// step wrote it, reading `pending_h`, as the fill would): the fill after the verify
+    /// starts at the row after it.
+    pub ahead: bool,
+}
+
+impl<B: Backend> Mtp<B> {
+    /// Forgets the held rows and the row written ahead: the caller has truncated the cache
+    /// (or copied another's), and `pending_h` is set for the next row.
+    pub fn drop_held(&mut self) {
+        self.held.clear();
+        self.held_h = None;
+        self.ahead = false;
+    }
 }
 
 /// The outcome of sampling a verify batch.
@@ -388,6 +424,9 @@ impl<B: Backend> SlotDecoder<B> {
             Some(Mtp {
                 state: model.new_mtp_state_with(be, types)?,
                 pending_h: be.from_host(&vec![0.0; model.cfg.n_embd], 1, model.cfg.n_embd),
+                held: Vec::new(),
+                held_h: None,
+                ahead: false,
             })
         } else {
             None
@@ -514,57 +553,112 @@ impl<B: Backend> SlotDecoder<B> {
         Ok((id, woke))
     }
 
-    /// Fills the MTP cache over tokens just accepted by the trunk: row k reads token k and the
-    /// trunk's h of the position before it.
+    /// Fills the MTP cache over tokens just fed to the trunk: row k reads token k and the
+    /// trunk's h of the position before it. With `hold` (a decode step's kept rows), the cache
+    /// holds them back for the next draft step ([`Mtp::held`]) while they are at most
+    /// [`HELD_ROWS`].
     pub fn mtp_process(
         &mut self,
         model: &Model<B>,
         be: &B,
         tokens: &[u32],
         h: &B::T,
+        hold: bool,
     ) -> Result<(), ModelError> {
-        Self::mtp_process_many(model, be, &mut [(self, tokens, h)])
+        Self::mtp_process_many(model, be, &mut [(self, tokens, h)], hold)
     }
 
     /// [`SlotDecoder::mtp_process`] for several slots in one pass of the MTP block
     /// ([`Model::mtp_fill_many`]): a step of three streams read the block's weights three
     /// times, one slot after another. Slots without a head or rows are left as they are.
+    ///
+    /// A slot whose first row the round's first draft step already wrote ([`Mtp::ahead`])
+    /// starts at its second. Without `hold` (prompt rows), rows held from decoding go through
+    /// the block first in a pass of their own, so a pass never takes more rows than the
+    /// prompt's batch and a verify's.
     pub fn mtp_process_many(
         model: &Model<B>,
         be: &B,
         work: &mut [(&mut SlotDecoder<B>, &[u32], &B::T)],
+        hold: bool,
     ) -> Result<(), ModelError> {
         let _t = phase::time(Phase::MtpFill);
-        // Each slot's trunk h shifted down one row, all on the device.
-        let shifted: Vec<Option<B::T>> = work
-            .iter()
-            .map(|(d, tokens, h)| {
-                let m = d.mtp.as_ref().filter(|_| !tokens.is_empty())?;
-                let n = tokens.len();
-                Some(if n == 1 {
-                    be.rows(&m.pending_h, 0, 1)
-                } else {
-                    be.concat_rows(&[&m.pending_h, &be.rows(h, 0, n - 1)])
-                })
-            })
+        if !hold {
+            for (d, tokens, _) in work.iter_mut() {
+                // A row written ahead whose verify never came: write it again as the rows say.
+                if let Some(m) = d.mtp.as_mut().filter(|m| m.ahead && !tokens.is_empty()) {
+                    m.ahead = false;
+                    m.state.pos -= 1;
+                    be.kv_truncate(&mut m.state.kv, m.state.pos);
+                }
+            }
+            Self::fill_held(model, be, work.iter_mut().map(|(d, ..)| &mut **d), 0)?;
+        }
+        for (d, tokens, h) in work.iter_mut() {
+            let Some(m) = d.mtp.as_mut() else { continue };
+            let n = tokens.len();
+            if n == 0 {
+                continue;
+            }
+            let skip = usize::from(std::mem::take(&mut m.ahead));
+            if skip < n {
+                // Row k's h is the trunk's of row k - 1, row 0's the one pending from before.
+                let prev = match (skip, n) {
+                    (0, 1) => be.rows(&m.pending_h, 0, 1),
+                    (0, _) => be.concat_rows(&[&m.pending_h, &be.rows(h, 0, n - 1)]),
+                    _ => be.rows(h, skip - 1, n - skip),
+                };
+                m.held_h = Some(match m.held_h.take() {
+                    Some(before) => be.concat_rows(&[&before, &prev]),
+                    None => prev,
+                });
+                m.held.extend_from_slice(&tokens[skip..]);
+            }
+            m.pending_h = be.rows(h, n - 1, 1);
+        }
+        let keep = if hold { HELD_ROWS } else { 0 };
+        Self::fill_held(model, be, work.iter_mut().map(|(d, ..)| &mut **d), keep)
+    }
+
+    /// Puts the held rows of every slot holding more than `keep` through the MTP block, in one
+    /// pass.
+    fn fill_held<'s>(
+        model: &Model<B>,
+        be: &B,
+        slots: impl Iterator<Item = &'s mut SlotDecoder<B>>,
+        keep: usize,
+    ) -> Result<(), ModelError>
+    where
+        B: 's,
+    {
+        let mut heads: Vec<&mut Mtp<B>> = slots
+            .filter_map(|d| d.mtp.as_mut())
+            .filter(|m| m.held.len() > keep)
             .collect();
-        let mut items: Vec<MtpRows<'_, B>> = work
+        if heads.is_empty() {
+            return Ok(());
+        }
+        let mut items: Vec<MtpRows<'_, B>> = heads
             .iter_mut()
-            .zip(&shifted)
-            .filter_map(|((d, tokens, _), hp)| {
-                Some(MtpRows {
-                    st: &mut d.mtp.as_mut()?.state,
-                    tokens,
-                    h_prev: hp.as_ref()?,
-                })
+            .map(|m| {
+                let Mtp {
+                    state,
+                    held,
+                    held_h,
+                    ..
+                } = &mut **m;
+                MtpRows {
+                    st: state,
+                    tokens: held,
+                    h_prev: held_h.as_ref().expect("held rows carry their h"),
+                }
             })
             .collect();
         model.mtp_fill_many(be, &mut items)?;
         drop(items);
-        for ((d, tokens, h), hp) in work.iter_mut().zip(&shifted) {
-            if let (Some(m), Some(_)) = (d.mtp.as_mut(), hp) {
-                m.pending_h = be.rows(h, tokens.len() - 1, 1);
-            }
+        for m in heads {
+            m.held.clear();
+            m.held_h = None;
         }
         Ok(())
     }
@@ -578,8 +672,11 @@ impl<B: Backend> SlotDecoder<B> {
         }
     }
 
-    /// The MTP head's greedy draft of at most `limit` tokens from the last sampled token (its
-    /// cache is left as found); each step's time goes to `costs`.
+    /// The MTP head's greedy draft of at most `limit` tokens from the last sampled token. The
+    /// first step takes the held rows with it ([`Mtp::held`]) and its own row stays in the
+    /// cache ([`Mtp::ahead`]): it reads the last token and `pending_h`, as the fill after the
+    /// verify would. The later steps' rows, which read the head's own h, are dropped. The
+    /// round's mean time per step goes to `costs`.
     pub fn draft(
         &mut self,
         model: &Model<B>,
@@ -594,14 +691,28 @@ impl<B: Backend> SlotDecoder<B> {
         let Some(m) = self.mtp.as_mut() else {
             return Ok(Vec::new());
         };
-        let start = m.state.pos;
-        let mut tok = last;
-        let mut h = be.rows(&m.pending_h, 0, 1);
+        let steps = spec.n_max.min(limit);
+        if steps == 0 {
+            return Ok(Vec::new());
+        }
+        let t0 = Instant::now();
+        let mut tokens = std::mem::take(&mut m.held);
+        tokens.push(last);
+        let mut h = match m.held_h.take() {
+            Some(held) => be.concat_rows(&[&held, &m.pending_h]),
+            None => be.rows(&m.pending_h, 0, 1),
+        };
+        let mut keep = None;
         let mut drafts = Vec::new();
-        for _ in 0..spec.n_max.min(limit) {
-            let t0 = Instant::now();
+        let mut ran = 0;
+        for _ in 0..steps {
             let _t = phase::time(Phase::Draft);
-            let out = model.mtp_draft(be, &mut m.state, &[tok], &h)?;
+            let out = model.mtp_draft(be, &mut m.state, &tokens, &h)?;
+            ran += 1;
+            if keep.is_none() {
+                keep = Some(m.state.pos);
+                m.ahead = true;
+            }
             // Only a p_min test needs the row on the host; otherwise read back the id alone.
             let d = if spec.p_min > 0.0 {
                 let logits = be.to_host(&out.logits);
@@ -617,13 +728,15 @@ impl<B: Backend> SlotDecoder<B> {
             } else {
                 be.argmax_rows(&out.logits)[0]
             };
-            costs.observe_draft_step(t0.elapsed().as_secs_f64());
             drafts.push(d);
-            tok = d;
+            tokens = vec![d];
             h = out.h;
         }
-        be.kv_truncate(&mut m.state.kv, start);
-        m.state.pos = start;
+        costs.observe_draft_step(t0.elapsed().as_secs_f64() / ran as f64);
+        if let Some(keep) = keep {
+            be.kv_truncate(&mut m.state.kv, keep);
+            m.state.pos = keep;
+        }
         if drafts.len() < spec.n_min {
             drafts.clear();
         }
@@ -764,7 +877,8 @@ impl<'a, B: Backend> Generator<'a, B> {
             .forward_batch(self.be, &mut items)?
             .pop()
             .expect("one output");
-        self.slot.mtp_process(self.model, self.be, prompt, &out.h)?;
+        self.slot
+            .mtp_process(self.model, self.be, prompt, &out.h, false)?;
         for &t in prompt {
             self.slot.sampler.accept_prompt(t);
         }
@@ -831,7 +945,7 @@ impl<'a, B: Backend> Generator<'a, B> {
                 out.h
             };
             self.slot
-                .mtp_process(self.model, self.be, &batch[..v.kept], &h)?;
+                .mtp_process(self.model, self.be, &batch[..v.kept], &h, true)?;
         }
         self.costs
             .observe_forward(batch.len(), t0.elapsed().as_secs_f64());
