@@ -470,8 +470,17 @@ fn held_rows_reach_the_mtp_cache_in_order<B: Backend>(be: &B) {
     let e = m.cfg.n_embd;
     let (reference, _) = greedy(be, &m, None, 40);
     let mut held_seen = 0;
+    // The last round drafted by the head or by the oracle; then, or not, a prompt continuing the
+    // sequence (its fill puts the held rows through first), after a draft whose verify never
+    // came (its row written ahead is written again) or not.
+    let endings = [
+        (false, None),
+        (true, None),
+        (true, Some(false)),
+        (false, Some(true)),
+    ];
     for n_max in [0, 1, 2, 3] {
-        for oracle_last in [false, true] {
+        for (oracle_last, then) in endings {
             let spec = SpecConfig {
                 n_max,
                 n_min: 0,
@@ -483,7 +492,7 @@ fn held_rows_reach_the_mtp_cache_in_order<B: Backend>(be: &B) {
                 be,
                 m.new_state(be),
                 Sampler::new(SamplerConfig::greedy()),
-                Some(spec),
+                Some(spec.clone()),
             )
             .unwrap();
             let mut out = vec![g.prefill(&PROMPT).unwrap()];
@@ -504,12 +513,25 @@ fn held_rows_reach_the_mtp_cache_in_order<B: Backend>(be: &B) {
                 assert!(held <= HELD_ROWS.max(n_max), "n_max {n_max}: {held} held");
             }
             assert_eq!(&out[..], &reference[..out.len()], "n_max {n_max}");
-            let last = *out.last().unwrap();
-            let fed: Vec<u32> = PROMPT
+            let mut last = *out.last().unwrap();
+            let mut fed: Vec<u32> = PROMPT
                 .iter()
                 .chain(&out[..out.len() - 1])
                 .copied()
                 .collect();
+            if let Some(draft_first) = then {
+                if draft_first {
+                    g.slot.draft(&m, be, &spec, n_max, &mut g.costs).unwrap();
+                }
+                let more = [33, 34, 35];
+                last = g.prefill(&more).unwrap();
+                fed.extend(more);
+                let mtp = g.slot.mtp.as_ref().unwrap();
+                assert!(
+                    mtp.held.is_empty(),
+                    "n_max {n_max}: a prompt's fill holds nothing"
+                );
+            }
             assert_eq!(g.slot.seq.pos, fed.len(), "n_max {n_max}");
             let mtp = g.slot.mtp.as_mut().expect("drafting arms the head");
             assert!(
@@ -551,7 +573,7 @@ fn held_rows_reach_the_mtp_cache_in_order<B: Backend>(be: &B) {
                 .map(|(x, y)| (x - y).abs() / x.abs().max(1.0))
                 .fold(0f32, f32::max);
             println!(
-                "n_max {n_max}, oracle last {oracle_last}: held {}, worst {worst:e}",
+                "n_max {n_max}, oracle last {oracle_last}, then {then:?}: held {}, worst {worst:e}",
                 mtp.held.len()
             );
             assert!(
