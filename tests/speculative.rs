@@ -470,14 +470,15 @@ fn held_rows_reach_the_mtp_cache_in_order<B: Backend>(be: &B) {
     let e = m.cfg.n_embd;
     let (reference, _) = greedy(be, &m, None, 40);
     let mut held_seen = 0;
-    // The last round drafted by the head or by the oracle; then, or not, a prompt continuing the
-    // sequence (its fill puts the held rows through first), after a draft whose verify never
-    // came (its row written ahead is written again) or not.
+    // The last round drafted by the head or by the oracle; then a prompt continuing the sequence
+    // (its fill puts the held rows through first), after a draft whose verify never came (its
+    // row written ahead is written again), or a round after two such drafts.
     let endings = [
-        (false, None),
-        (true, None),
-        (true, Some(false)),
-        (false, Some(true)),
+        (false, ""),
+        (true, ""),
+        (true, "prompt"),
+        (false, "draft, prompt"),
+        (true, "two drafts, step"),
     ];
     for n_max in [0, 1, 2, 3] {
         for (oracle_last, then) in endings {
@@ -512,6 +513,12 @@ fn held_rows_reach_the_mtp_cache_in_order<B: Backend>(be: &B) {
                 let held = g.slot.mtp.as_ref().unwrap().held.len();
                 assert!(held <= HELD_ROWS.max(n_max), "n_max {n_max}: {held} held");
             }
+            if then == "two drafts, step" {
+                for _ in 0..2 {
+                    g.slot.draft(&m, be, &spec, n_max, &mut g.costs).unwrap();
+                }
+                out.extend(g.step().unwrap());
+            }
             assert_eq!(&out[..], &reference[..out.len()], "n_max {n_max}");
             let mut last = *out.last().unwrap();
             let mut fed: Vec<u32> = PROMPT
@@ -519,8 +526,8 @@ fn held_rows_reach_the_mtp_cache_in_order<B: Backend>(be: &B) {
                 .chain(&out[..out.len() - 1])
                 .copied()
                 .collect();
-            if let Some(draft_first) = then {
-                if draft_first {
+            if then.ends_with("prompt") {
+                if then.starts_with("draft") {
                     g.slot.draft(&m, be, &spec, n_max, &mut g.costs).unwrap();
                 }
                 let more = [33, 34, 35];

@@ -695,6 +695,11 @@ impl<B: Backend> SlotDecoder<B> {
         if steps == 0 {
             return Ok(Vec::new());
         }
+        if std::mem::take(&mut m.ahead) {
+            // A draft whose verify never ran: its row is written again below.
+            m.state.pos -= 1;
+            be.kv_truncate(&mut m.state.kv, m.state.pos);
+        }
         let t0 = Instant::now();
         let mut tokens = std::mem::take(&mut m.held);
         tokens.push(last);
