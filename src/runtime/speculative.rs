@@ -347,8 +347,8 @@ impl SpecStats {
 /// Accepted rows the MTP head's cache holds back for the next draft step, at most this many a
 /// slot (more go through the block at the end of the step, as [`SlotDecoder::mtp_process_many`]
 /// fills them). Rows beyond a verify's own (`n_max`) gather only while a slot does not draft;
-/// a draft step of a few rows more costs what a step of one does, since the block's weight
-/// stream bounds it.
+/// a draft step of a few rows more costs little more than one of one row, since the block's
+/// weight stream bounds it.
 pub const HELD_ROWS: usize = 4;
 
 pub struct Mtp<B: Backend> {
@@ -374,6 +374,15 @@ impl<B: Backend> Mtp<B> {
         self.held.clear();
         self.held_h = None;
         self.ahead = false;
+    }
+
+    /// Takes the row written ahead back out of the cache, if there is one: its verify never
+    /// ran, and the next pass of the block writes that position again from its own rows.
+    fn take_back_ahead(&mut self, be: &B) {
+        if std::mem::take(&mut self.ahead) {
+            self.state.pos -= 1;
+            be.kv_truncate(&mut self.state.kv, self.state.pos);
+        }
     }
 }
 
@@ -570,7 +579,7 @@ impl<B: Backend> SlotDecoder<B> {
 
     /// [`SlotDecoder::mtp_process`] for several slots in one pass of the MTP block
     /// ([`Model::mtp_fill_many`]): a step of three streams read the block's weights three
-    /// times, one slot after another. Slots without a head or rows are left as they are.
+    /// times, one slot after another. Slots without a head are left as they are.
     ///
     /// A slot whose first row the round's first draft step already wrote ([`Mtp::ahead`])
     /// starts at its second. Without `hold` (prompt rows), rows held from decoding go through
@@ -585,11 +594,8 @@ impl<B: Backend> SlotDecoder<B> {
         let _t = phase::time(Phase::MtpFill);
         if !hold {
             for (d, tokens, _) in work.iter_mut() {
-                // A row written ahead whose verify never came: write it again as the rows say.
-                if let Some(m) = d.mtp.as_mut().filter(|m| m.ahead && !tokens.is_empty()) {
-                    m.ahead = false;
-                    m.state.pos -= 1;
-                    be.kv_truncate(&mut m.state.kv, m.state.pos);
+                if let Some(m) = d.mtp.as_mut().filter(|_| !tokens.is_empty()) {
+                    m.take_back_ahead(be);
                 }
             }
             Self::fill_held(model, be, work.iter_mut().map(|(d, ..)| &mut **d), 0)?;
@@ -695,11 +701,7 @@ impl<B: Backend> SlotDecoder<B> {
         if steps == 0 {
             return Ok(Vec::new());
         }
-        if std::mem::take(&mut m.ahead) {
-            // A draft whose verify never ran: its row is written again below.
-            m.state.pos -= 1;
-            be.kv_truncate(&mut m.state.kv, m.state.pos);
-        }
+        m.take_back_ahead(be);
         let t0 = Instant::now();
         let mut tokens = std::mem::take(&mut m.held);
         tokens.push(last);
