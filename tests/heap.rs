@@ -5,6 +5,7 @@
 /// Minor page faults of the calling thread so far.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn faults() -> i64 {
+    // SAFETY: rusage is plain integers, for which all zeros is a value.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
     // SAFETY: `ru` is a valid rusage for the call to fill.
     assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) }, 0);

@@ -557,12 +557,8 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         h_prev: &B::T,
     ) -> Result<Output<B::T>, ModelError> {
-        let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
-        let h = self.mtp_hidden(be, st, tokens, h_prev)?;
-        let (site, head) = match &mtp.head {
-            Some(w) => (Site::MtpHead, w),
-            None => (Site::Output, &self.w.output),
-        };
+        let h = self.mtp_hidden(be, st, tokens, h_prev, false)?;
+        let (site, head) = self.mtp_head()?;
         let lora = RowScales::new(self.adapters.len(), [st.lora.as_slice()], [tokens.len()]);
         let logits = self.mm(be, site, head, &h, &lora);
         Ok(Output { logits, h })
@@ -580,21 +576,11 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         h_prev: &B::T,
     ) -> Result<Output<B::T>, ModelError> {
-        let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
-        let (site, head) = match &mtp.head {
-            Some(w) => (Site::MtpHead, w),
-            None => (Site::Output, &self.w.output),
-        };
-        let n = tokens.len();
-        let c = self.mtp_block(be, &mut [MtpRows { st, tokens, h_prev }])?;
-        let c = if n > 1 { be.rows(&c, n - 1, 1) } else { c };
-        let h = be.rms_norm(
-            &c,
-            mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),
-            self.cfg.eps,
-        );
+        let h = self.mtp_hidden(be, st, tokens, h_prev, true)?;
+        let (site, head) = self.mtp_head()?;
         let adapted = self.adapters.iter().any(|a| a.get(site).is_some());
-        let logits = match mtp.draft_head.as_ref().filter(|_| !adapted) {
+        let draft = self.w.mtp.as_ref().and_then(|m| m.draft_head.as_ref());
+        let logits = match draft.filter(|_| !adapted) {
             Some(d) => be.matmul(&d.w, &h),
             None => {
                 let lora = RowScales::new(self.adapters.len(), [st.lora.as_slice()], [1]);
@@ -604,16 +590,34 @@ impl<B: Backend> Model<B> {
         Ok(Output { logits, h })
     }
 
-    /// The MTP block's output through the head norm: the rows a head scores.
+    /// The matrix that scores the MTP head's rows: its own head where the file has one, else
+    /// the output head, with the site an adapter sees it at.
+    fn mtp_head(&self) -> Result<(Site, &B::W), ModelError> {
+        let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
+        Ok(match &mtp.head {
+            Some(w) => (Site::MtpHead, w),
+            None => (Site::Output, &self.w.output),
+        })
+    }
+
+    /// The MTP block's output through the head norm: the rows a head scores (with `last_only`,
+    /// the last row alone; the rows before it only fill the cache).
     fn mtp_hidden(
         &self,
         be: &B,
         st: &mut MtpState<B>,
         tokens: &[u32],
         h_prev: &B::T,
+        last_only: bool,
     ) -> Result<B::T, ModelError> {
         let mtp = self.w.mtp.as_ref().ok_or(ModelError::NoMtp)?;
+        let n = tokens.len();
         let c = self.mtp_block(be, &mut [MtpRows { st, tokens, h_prev }])?;
+        let c = if last_only && n > 1 {
+            be.rows(&c, n - 1, 1)
+        } else {
+            c
+        };
         Ok(be.rms_norm(
             &c,
             mtp.head_norm.as_ref().unwrap_or(&self.w.output_norm),

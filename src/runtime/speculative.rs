@@ -709,17 +709,14 @@ impl<B: Backend> SlotDecoder<B> {
             Some(held) => be.concat_rows(&[&held, &m.pending_h]),
             None => be.rows(&m.pending_h, 0, 1),
         };
-        let mut keep = None;
+        // The first step's rows stay in the cache; the later steps' are dropped below.
+        let keep = m.state.pos + tokens.len();
         let mut drafts = Vec::new();
         let mut ran = 0;
         for _ in 0..steps {
             let _t = phase::time(Phase::Draft);
             let out = model.mtp_draft(be, &mut m.state, &tokens, &h)?;
             ran += 1;
-            if keep.is_none() {
-                keep = Some(m.state.pos);
-                m.ahead = true;
-            }
             // Only a p_min test needs the row on the host; otherwise read back the id alone.
             let d = if spec.p_min > 0.0 {
                 let logits = be.to_host(&out.logits);
@@ -740,10 +737,9 @@ impl<B: Backend> SlotDecoder<B> {
             h = out.h;
         }
         costs.observe_draft_step(t0.elapsed().as_secs_f64() / ran as f64);
-        if let Some(keep) = keep {
-            be.kv_truncate(&mut m.state.kv, keep);
-            m.state.pos = keep;
-        }
+        be.kv_truncate(&mut m.state.kv, keep);
+        m.state.pos = keep;
+        m.ahead = true;
         if drafts.len() < spec.n_min {
             drafts.clear();
         }
