@@ -757,6 +757,91 @@ bench-0.8b decode shapes, 1 to 4 activation rows, ~1 MiB of rows in L2, GB/s"
     Ok(())
 }
 
+/// `cargo xtask bench --kernels --span-mem`: the serving path's packed span kernels
+/// (`quant::packed`) streaming a 256 MiB matrix from memory on every rayon thread, in tasks of
+/// 256 KiB as a decode step's row tasks, for 1 to 4 token rows, beside a plain read of the same
+/// bytes on the same threads. `--span` runs the kernels on one thread in L2, where their
+/// arithmetic alone sets the pace; here a token row more costs only what its arithmetic adds
+/// beyond the memory stream. Medians of 7 passes, the row counts taken in turn within each.
+pub fn span_mem() -> Result<()> {
+    use rayon::prelude::*;
+    use tern::quant::int8::QActs;
+    use tern::quant::packed;
+    use tern::tensor::GgmlType::*;
+    const TASK_BYTES: usize = 256 << 10;
+    const PASSES: usize = 7;
+    println!(
+        "\npacked span kernels from memory, 256 MiB matrix, {} threads, GB/s of weights (medians of {PASSES}); {}",
+        rayon::current_num_threads(),
+        load_average()
+    );
+    println!(
+        "{:<8} {:>6} {:>8} {:>8} {:>8} {:>8} {:>8} {:>9}",
+        "type", "cols", "read", "1 row", "2 rows", "3 rows", "4 rows", "3 ÷ 1 ms"
+    );
+    for (ty, cols) in [
+        (PQ2_0, 1024usize),
+        (PQ2_0, 2048),
+        (PQ2_0, 3584),
+        (Q8_0, 1024),
+        (Q8_0, 3584),
+    ] {
+        if !packed::packs(ty, cols) {
+            println!("{:<8} {cols:>6}: no packed kernel on this CPU", ty.name());
+            continue;
+        }
+        let row = tern::quant::quantize_row(ty, &bench_weights(cols))?;
+        let rows = (256usize << 20) / row.len();
+        let m: Vec<u8> = row.iter().copied().cycle().take(row.len() * rows).collect();
+        let mut p = vec![0u8; packed::packed_len(ty, cols, m.len())];
+        packed::pack_rows(ty, &m, cols, &mut p);
+        drop(m);
+        let rb = p.len() / rows;
+        let per_task = (TASK_BYTES / rb).max(1);
+        let acts = QActs::quantize(packed::packed_type(ty), &bench_acts(4 * cols), cols);
+        let mut outs: Vec<Vec<f32>> = (1..=4).map(|n| vec![0f32; rows * n]).collect();
+        let (mut read, mut t) = (Vec::new(), vec![Vec::new(); 4]);
+        for pass in 0..PASSES {
+            let s = Instant::now();
+            let sum: u64 = p
+                .par_chunks(per_task * rb)
+                .map(|c| {
+                    c.chunks_exact(8)
+                        .map(|w| u64::from_le_bytes(w.try_into().unwrap_or([0; 8])))
+                        .fold(0u64, u64::wrapping_add)
+                })
+                .reduce(|| 0, u64::wrapping_add);
+            std::hint::black_box(sum);
+            read.push(s.elapsed().as_secs_f64());
+            for k in 0..4 {
+                // A different row count first in each pass, so no count always follows the read.
+                let n = 1 + (k + pass) % 4;
+                let out = &mut outs[n - 1];
+                let s = Instant::now();
+                out.par_chunks_mut(per_task * n)
+                    .zip(p.par_chunks(per_task * rb))
+                    .for_each(|(o, r)| packed::dot_span(r, &acts, 0, n, o));
+                t[n - 1].push(s.elapsed().as_secs_f64());
+                std::hint::black_box(&out);
+            }
+        }
+        let gb = p.len() as f64 / 1e9;
+        let t: Vec<f64> = t.into_iter().map(median).collect();
+        println!(
+            "{:<8} {:>6} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9.2}",
+            ty.name(),
+            cols,
+            gb / median(read),
+            gb / t[0],
+            gb / t[1],
+            gb / t[2],
+            gb / t[3],
+            t[2] / t[0]
+        );
+    }
+    Ok(())
+}
+
 /// The row kernels for one activation row at the shape of bench-0.8b's tied output head
 /// (248,320 rows of 1,024, the largest matrix of a decode step), single-threaded: rows this
 /// short pay each row's setup and reduction more often than the 4,096-wide rows above.

@@ -61,6 +61,9 @@ const USAGE: &str = "usage: cargo xtask <task>
                         only the decode-shape table: one activation row at bench-0.8b's row
                         widths, in L2, per row (dot_rows) and per span (dot_span), GB/s;
                         Q8_0 also as the serving path packs it (the packed row)
+  bench --kernels --span-mem
+                        the packed span kernels for 1 to 4 token rows streaming a 256 MiB
+                        matrix from memory on every thread, beside a plain read of it, GB/s
   bench --step [--decode N] [--rows R] [--copies native|transcoded|stored] [FILE...]
                         a one-row decode step's wall time split on the CPU serving path: matmul
                         ms per class of matrix (GDN/attention in and out, FFN, output head), the
@@ -250,6 +253,9 @@ fn main() -> Result<()> {
                 rounds: 1,
             };
             if args[1..].iter().any(|a| a == "--kernels") {
+                if args[1..].iter().any(|a| a == "--span-mem") {
+                    return bench::span_mem();
+                }
                 if args[1..].iter().any(|a| a == "--span") {
                     return bench::span_kernels();
                 }
