@@ -759,20 +759,20 @@ bench-0.8b decode shapes, 1 to 4 activation rows, ~1 MiB of rows in L2, GB/s"
 
 /// `cargo xtask bench --kernels --span-mem`: the serving path's packed span kernels
 /// (`quant::packed`) streaming a 256 MiB matrix from memory on every rayon thread, in tasks of
-/// 256 KiB as a decode step's row tasks, for 1 to 4 token rows, beside a plain read of the same
-/// bytes on the same threads. `--span` runs the kernels on one thread in L2, where their
-/// arithmetic alone sets the pace; here a token row more costs only what its arithmetic adds
-/// beyond the memory stream. Medians of 7 passes, the row counts taken in turn within each.
+/// `INT8_TASK_BYTES` as a decode step's row tasks, for 1 to 4 token rows, beside a plain read
+/// of as many bytes on as many threads (`bench --step`'s). `--span` runs the kernels on one
+/// thread in L2, where their arithmetic alone sets the pace; here a token row more costs only
+/// what its arithmetic adds beyond the memory stream. Medians of 7 passes, the row counts
+/// taken in turn within each.
 pub fn span_mem() -> Result<()> {
     use rayon::prelude::*;
     use tern::quant::int8::QActs;
     use tern::quant::packed;
     use tern::tensor::GgmlType::*;
-    const TASK_BYTES: usize = 256 << 10;
     const PASSES: usize = 7;
+    let threads = rayon::current_num_threads();
     println!(
-        "\npacked span kernels from memory, 256 MiB matrix, {} threads, GB/s of weights (medians of {PASSES}); {}",
-        rayon::current_num_threads(),
+        "\npacked span kernels from memory, 256 MiB matrix, {threads} threads, GB/s of weights (medians of {PASSES} passes; the read the best of 3 in each); {}",
         load_average()
     );
     println!(
@@ -797,22 +797,14 @@ pub fn span_mem() -> Result<()> {
         packed::pack_rows(ty, &m, cols, &mut p);
         drop(m);
         let rb = p.len() / rows;
-        let per_task = (TASK_BYTES / rb).max(1);
+        // As many bytes as the packed matrix, touched once so that the reads reach memory.
+        let plain: Vec<u64> = (0..(p.len() / 8) as u64).collect();
+        let per_task = (tern::backend::cpu::INT8_TASK_BYTES / rb).max(1);
         let acts = QActs::quantize(packed::packed_type(ty), &bench_acts(4 * cols), cols);
         let mut outs: Vec<Vec<f32>> = (1..=4).map(|n| vec![0f32; rows * n]).collect();
         let (mut read, mut t) = (Vec::new(), vec![Vec::new(); 4]);
         for pass in 0..PASSES {
-            let s = Instant::now();
-            let sum: u64 = p
-                .par_chunks(per_task * rb)
-                .map(|c| {
-                    c.chunks_exact(8)
-                        .map(|w| u64::from_le_bytes(w.try_into().unwrap_or([0; 8])))
-                        .fold(0u64, u64::wrapping_add)
-                })
-                .reduce(|| 0, u64::wrapping_add);
-            std::hint::black_box(sum);
-            read.push(s.elapsed().as_secs_f64());
+            read.push(crate::bench_step::read_bandwidth(&plain, threads));
             for k in 0..4 {
                 // A different row count first in each pass, so no count always follows the read.
                 let n = 1 + (k + pass) % 4;
@@ -831,7 +823,7 @@ pub fn span_mem() -> Result<()> {
             "{:<8} {:>6} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>9.2}",
             ty.name(),
             cols,
-            gb / median(read),
+            median(read),
             gb / t[0],
             gb / t[1],
             gb / t[2],

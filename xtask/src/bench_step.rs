@@ -23,7 +23,7 @@ use crate::bench::{load_average, median, prompt, streamed_bytes};
 
 /// Read bandwidth of `threads` threads each summing its share of a buffer larger than the
 /// caches, in GB/s of wall time (the best of three passes).
-fn read_bandwidth(buf: &[u64], threads: usize) -> f64 {
+pub(crate) fn read_bandwidth(buf: &[u64], threads: usize) -> f64 {
     let share = buf.len().div_ceil(threads);
     let mut best = f64::MAX;
     for _ in 0..3 {

@@ -63,7 +63,7 @@ const USAGE: &str = "usage: cargo xtask <task>
                         Q8_0 also as the serving path packs it (the packed row)
   bench --kernels --span-mem
                         the packed span kernels for 1 to 4 token rows streaming a 256 MiB
-                        matrix from memory on every thread, beside a plain read of it, GB/s
+                        matrix from memory on every thread, beside a plain read of as many bytes
   bench --step [--decode N] [--rows R] [--copies native|transcoded|stored] [FILE...]
                         a one-row decode step's wall time split on the CPU serving path: matmul
                         ms per class of matrix (GDN/attention in and out, FFN, output head), the

@@ -329,7 +329,7 @@ fn int8_row_chunk(row_bytes: usize, n_out: usize) -> usize {
 /// at one stream and 49.4 / 56.9 to 46.3 / 52.0 ms at three; PQ2_0's from 24.5 to 23.3 and
 /// 26.5 to 26.1; PTQ1_0's, bound by arithmetic, did not move. Every thread still gets at
 /// least four tasks a matrix (`int8_row_chunk`).
-const INT8_TASK_BYTES: usize = 256 << 10;
+pub const INT8_TASK_BYTES: usize = 256 << 10;
 
 /// Weight rows per task of the tiled int8 product, decoded once into the task's panel and
 /// then dotted with every token row.
