@@ -17,6 +17,9 @@ use crate::backend::{GdnParams, GdnSeq};
 /// it, however long the prompt.
 const CHUNK: usize = 128;
 
+/// Columns of a head's state one sweep holds in registers (its column block).
+const COLS: usize = 32;
+
 /// The per-layer weights of the core, decoded.
 pub(super) struct Weights<'a> {
     /// The conv taps tap-major, `[d_conv][conv_dim]`.
@@ -62,12 +65,12 @@ pub(super) fn gdn(
 /// (18.9 MB a row on bench-0.8b, 1 MiB a layer) cost, at depth 2, a read of the live state and
 /// writes of two cells and the live state: four states' worth of memory traffic, twice a plain
 /// step's. But the delta rule changes the state by a decay and a rank-1 term per row,
-/// `S = decay·S + k ⊗ δ`, so the rows run on a per-head scratch copy (in cache) and only each
-/// row's decay, k and δ (1 + 2d floats a head) are kept. A rollback keeps the first t + 1 of
-/// them, and the next batch on the state folds them in with the same fused multiply-adds the
-/// sweep did (so the same bits) as its first read of each head, which the head's sweeps then
-/// find in cache. A verify reads the state once and the fold writes it once: the traffic of a
-/// plain step. A depth-2 verify's GDN cores from memory on bench-0.8b PQ2_0 (`xtask bench
+/// `S = decay·S + k ⊗ δ`, so the rows run on a scratch (in cache) and only each row's decay, k
+/// and δ (1 + 2d floats a head) are kept. A rollback keeps the first t + 1 of them, and the
+/// next batch on the state folds them in with the same fused multiply-adds the sweep did (so
+/// the same bits), in its first token's sweep, as each row of the state is read and written
+/// back (see [`Token::fold`]). A verify reads the state once and the fold writes it once: the
+/// traffic of a plain step. A depth-2 verify's GDN cores from memory on bench-0.8b PQ2_0 (`xtask bench
 /// --step`, the builds alternated three times, Zen 4, 2 threads) went from 3.26 / 3.37 / 3.49
 /// to 2.88 / 2.63 / 2.43 ms, where one row's take 1.15-1.33 ms.
 #[derive(Debug, Default)]
@@ -151,7 +154,8 @@ impl Recurrent {
 }
 
 /// Folds the first `rows` records of `recs` (one head's [`Pending`]) into the head's state
-/// `s`, with the arithmetic [`head_scan`] uses on this CPU.
+/// `s`, with the arithmetic [`head_scan`] uses on this CPU (whose sweeps fold them the same
+/// way, `Token::fold`): for a copy of the state ([`Recurrent::settled_ssm`]).
 fn settle(s: &mut [f32], recs: &[f32], rows: usize, d: usize) {
     #[cfg(target_arch = "x86_64")]
     if fused_sweep() {
@@ -254,9 +258,11 @@ pub(super) fn gdn_batch(
         })
         .collect();
     // Each task owns one V head of a sequence: its live state, its pending records to fold in
-    // and the records to write, and (out of place) a scratch copy that carries the rows'
-    // state from one chunk to the next, allocated by the task (in parallel, not zeroed: the
-    // first row's sweep writes all of it before any row reads it).
+    // and the records to write, and (out of place) a scratch its rows run on, allocated by the
+    // task (in parallel, not zeroed: the first row's sweep of each column block writes the
+    // block before any row reads it). The scratch of rows in one chunk (a verify) holds one
+    // column block (16 KiB at d = 128, in L1 from the first row to the last); a longer
+    // sequence's is a copy of the state that carries its rows from one chunk to the next.
     struct Task<'s> {
         seq: usize,
         j: usize,
@@ -269,30 +275,14 @@ pub(super) fn gdn_batch(
     }
     let mut tasks: Vec<Task<'_>> = Vec::with_capacity(seqs.len() * p.n_v);
     let mut convs: Vec<Conv<'_>> = Vec::with_capacity(seqs.len());
-    let mut conv_new: Vec<Vec<Vec<f32>>> = Vec::with_capacity(seqs.len());
+    // A decode step's row: the conv tasks shift the state in place (`Conv::Shift`). Other
+    // sequences' conv states are written after the scan, which reads the carried one.
+    let shifted: Vec<bool> = seqs
+        .iter()
+        .map(|s| s.rows == 1 && s.cells.is_none())
+        .collect();
     for (i, (s, new)) in seqs.iter_mut().zip(news.iter_mut()).enumerate() {
-        // A decode step's row: the conv tasks shift the state in place (`Conv::Shift`).
-        let in_place = s.rows == 1 && s.cells.is_none();
-        if in_place {
-            conv_new.push(Vec::new());
-        } else {
-            // The conv states after each row that needs one (the cells' rows, then the last),
-            // from the carried state before it is overwritten.
-            let x = |k: usize| conv_input(p, &s.state.conv, mixed, starts[i], k);
-            let kept: Vec<usize> = match &s.cells {
-                Some(_) => (1..=s.rows).collect(),
-                None => vec![s.rows],
-            };
-            conv_new.push(
-                kept.iter()
-                    .map(|&n| {
-                        let mut c = Vec::with_capacity(p.conv_state_len());
-                        (n..n + p.d_conv - 1).for_each(|r| c.extend_from_slice(x(r)));
-                        c
-                    })
-                    .collect(),
-            );
-        }
+        let in_place = shifted[i];
         let old = &olds[i];
         let old_rec = old.room * rl;
         let new_rec = new.room * rl;
@@ -340,14 +330,17 @@ pub(super) fn gdn_batch(
             .par_iter_mut()
             .filter_map(|task| {
                 let &(i, _, m, off) = parts.iter().find(|q| q.0 == task.seq)?;
-                if task.old_rows > 0 {
-                    settle(task.live, task.old, task.old_rows, d);
-                    task.old_rows = 0;
-                }
+                // The first chunk's sweeps fold the pending rows in.
+                let fold = &task.old[..task.old_rows * rl];
+                task.old_rows = 0;
                 if task.out_of_place && task.scratch.is_empty() {
-                    task.scratch = Vec::with_capacity(dd);
+                    let len = match n_rows[i] <= CHUNK && COLS < d {
+                        true => d * COLS,
+                        false => dd,
+                    };
+                    task.scratch = Vec::with_capacity(len);
                     // SAFETY: MaybeUninit needs no initialisation.
-                    unsafe { task.scratch.set_len(dd) };
+                    unsafe { task.scratch.set_len(len) };
                 }
                 let mut y = vec![0f32; m * d];
                 let rows = Rows {
@@ -357,6 +350,7 @@ pub(super) fn gdn_batch(
                 };
                 let state = HeadState {
                     live: task.live,
+                    fold,
                     scratch: task.out_of_place.then_some(&mut task.scratch[..]),
                     rec: task.rec,
                 };
@@ -372,7 +366,8 @@ pub(super) fn gdn_batch(
     }
     drop(tasks);
     drop(convs);
-    for (i, ((s, mut conv), mut new)) in seqs.iter_mut().zip(conv_new).zip(news).enumerate() {
+    let kw1 = p.d_conv - 1;
+    for (i, (s, mut new)) in seqs.iter_mut().zip(news).enumerate() {
         // A sequence of no rows ran no task: its pending rows are still to fold in.
         s.state.pending = match s.rows {
             0 => std::mem::take(&mut olds[i]),
@@ -387,18 +382,32 @@ pub(super) fn gdn_batch(
                 new
             }
         };
-        let Some(last) = conv.pop() else {
+        if shifted[i] {
             continue; // shifted in place by its conv tasks
-        };
-        s.state.conv.copy_from_slice(&last);
+        }
+        // The conv state after row n - 1 is rows n..n + kw1 of X (the carried state, then
+        // the rows): each cell's from the carried state, then the live one over it, in place.
+        // They are written straight into the states, where building each and copying it in
+        // moved twice the bytes, single-threaded (216 KiB a layer for a depth-2 verify on
+        // bench-0.8b, whose conv states come from memory).
+        let n = s.rows;
         if let Some(cells) = s.cells.as_mut() {
-            for (t, (c, v)) in cells.iter_mut().zip(conv).enumerate() {
-                c.conv.copy_from_slice(&v);
+            for (t, c) in cells.iter_mut().take(n.saturating_sub(1)).enumerate() {
+                for (k, dst) in c.conv.chunks_exact_mut(cd).enumerate() {
+                    dst.copy_from_slice(conv_input(p, &s.state.conv, mixed, starts[i], t + 1 + k));
+                }
                 c.pending = Pending {
                     rows: t + 1,
                     ..Pending::default()
                 };
             }
+        }
+        let conv = &mut s.state.conv;
+        if n < kw1 {
+            conv.copy_within(n * cd.., 0);
+        }
+        for k in kw1.saturating_sub(n)..kw1 {
+            conv[k * cd..(k + 1) * cd].copy_from_slice(mixed.row(starts[i] + n + k - kw1));
         }
     }
     out
@@ -539,18 +548,20 @@ struct Rows<'a> {
     u: &'a [f32],
 }
 
-/// One V head's state for [`head_scan`]: the live state, and for a verify batch (out of place)
-/// the scratch copy its rows run on (which its first row writes whole before any row reads
-/// it) and their records (see [`Pending`]).
+/// One V head's state for [`head_scan`]: the live state and the records of the last verify
+/// still to fold into it (see [`Pending`]), and for a verify batch (out of place) the scratch
+/// its rows run on (a column block of which its first row writes whole before any row reads
+/// it) and their records.
 struct HeadState<'a> {
     live: &'a mut [f32],
+    fold: &'a [f32],
     scratch: Option<&'a mut [MaybeUninit<f32>]>,
     rec: &'a mut [f32],
 }
 
 /// Whether this CPU runs the sweep with fused multiply-adds (`head_scan`'s AVX2 + FMA and
-/// AVX-512 kernels): the fold of a verify's records (`settle`) must round as the sweep did, so
-/// both ask here.
+/// AVX-512 kernels): the fold of a verify's records outside a sweep (`settle`) must round as
+/// the sweep does, so both ask here.
 #[cfg(target_arch = "x86_64")]
 fn fused_sweep() -> bool {
     is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
@@ -645,6 +656,12 @@ struct Token<'a> {
     /// `None` for the first token: its `S_oldᵀk` is summed here, a column block at a time,
     /// just before the block's sweep reads the same rows again from L1.
     kv: Option<&'a [f32]>,
+    /// On the first token, the records of the last verify to fold into the state (whole
+    /// [`Pending`] records, oldest first; none if empty): the first read of each row of the
+    /// state folds them in and writes the row back, the arithmetic of [`settle`], so the
+    /// state is read from memory and written once, not once by the fold and again by the
+    /// sweep.
+    fold: &'a [f32],
     /// On a call's last token, the live state of the V head after this one (the next in
     /// its buffer, and mostly the next task of this thread): the sweep brings it into L2,
     /// `COLS` floats a row, so the memory streams the next head while this one computes.
@@ -678,20 +695,33 @@ fn prefetch_row<const L2: bool>(p: *const f32, n: usize) {
     let _ = (p, n);
 }
 
-/// Columns `c0..c0 + C` of one token's sweep down the rows of `S` (`d` wide), read from `src`
-/// and written to `dst`: `δ = β(v − decay·S_oldᵀk)`, `S[i] = decay·S[i] + k[i]·δ`,
+/// Where one token's sweep of a column block reads the block and writes it: each pointer is
+/// the block's first column in row 0, and rows lie `*_stride` floats apart (`d` in a head's
+/// state, the block's width in a verify's block scratch).
+#[derive(Clone, Copy)]
+struct Block {
+    src: *mut f32,
+    src_stride: usize,
+    dst: *mut f32,
+    dst_stride: usize,
+}
+
+/// Columns `c0..c0 + C` of one token's sweep down the `d` rows of `S`, read from `b.src` and
+/// written to `b.dst`: `δ = β(v − decay·S_oldᵀk)`, `S[i] = decay·S[i] + k[i]·δ`,
 /// `o = Σ_i S[i]·q[i]`, `kv_next = Σ_i S[i]·k_next[i]`. Each row's block is loaded into
 /// registers, updated and stored whole, so in place and out of place compile alike. `dl`,
 /// unless null, gets the block's δ (a verify row's record, see [`Pending`]).
 ///
+/// With records to fold (`tok.fold`, first tokens only), the summing pass that forms
+/// `S_oldᵀk` folds them into each row of `b.src` first and writes the row back there.
+///
 /// # Safety
-/// `src` and `dst` each hold `d * d` values and are the same buffer or disjoint; `dl` is null
-/// or holds `d` values.
+/// `b.src` and `b.dst` each hold `d` rows of `C` values at their strides and are the same
+/// block or disjoint; `dl` is null or holds `d` values.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 unsafe fn sweep<const FMA: bool, const C: usize>(
-    src: *const f32,
-    dst: *mut f32,
+    b: Block,
     dl_out: *mut f32,
     d: usize,
     c0: usize,
@@ -699,12 +729,19 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
     o: &mut [f32],
     kv_next: &mut [f32],
 ) {
-    let load = |i: usize| std::ptr::read_unaligned(src.add(i * d + c0).cast::<[f32; C]>());
-    // The first column block of a token is the first read of the state's rows: ask for whole
-    // rows a few ahead, so the column blocks after it find them in cache.
+    let Block {
+        src,
+        src_stride,
+        dst,
+        dst_stride,
+    } = b;
+    let load = |i: usize| std::ptr::read_unaligned(src.add(i * src_stride).cast::<[f32; C]>());
+    // The first column block of a call's first token is the first read of the state's rows
+    // (the later tokens find the block in L1): ask for whole rows a few ahead, so the column
+    // blocks after it find them in cache.
     let ahead = |i: usize| {
         if c0 == 0 && i + ROWS_AHEAD < d {
-            prefetch_row::<false>(src.add((i + ROWS_AHEAD) * d), d);
+            prefetch_row::<false>(src.add((i + ROWS_AHEAD) * src_stride), d);
         }
     };
     // This block's share of the next head: `C` floats for each of its rows, so the blocks
@@ -720,7 +757,17 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
             let mut acc = [0f32; C];
             for i in 0..d {
                 ahead(i);
-                let (row, ki) = (load(i), tok.k[i]);
+                let mut row = load(i);
+                if !tok.fold.is_empty() {
+                    for r in tok.fold.chunks_exact(Pending::record(d)) {
+                        let (decay, ki, dl) = (r[0], r[1 + i], &r[1 + d + c0..][..C]);
+                        for c in 0..C {
+                            row[c] = madd::<FMA>(ki, dl[c], row[c] * decay);
+                        }
+                    }
+                    std::ptr::write_unaligned(src.add(i * src_stride).cast::<[f32; C]>(), row);
+                }
+                let ki = tok.k[i];
                 for c in 0..C {
                     acc[c] = madd::<FMA>(row[c], ki, acc[c]);
                 }
@@ -735,9 +782,6 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
     let mut oa = [0f32; C];
     let mut kn = [0f32; C];
     for i in 0..d {
-        if tok.kv.is_some() {
-            ahead(i);
-        }
         next(i);
         let (ki, qi, kni) = (tok.k[i], tok.q[i], tok.k_next[i]);
         let mut row = load(i);
@@ -746,7 +790,7 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
             oa[c] = madd::<FMA>(row[c], qi, oa[c]);
             kn[c] = madd::<FMA>(row[c], kni, kn[c]);
         }
-        std::ptr::write_unaligned(dst.add(i * d + c0).cast::<[f32; C]>(), row);
+        std::ptr::write_unaligned(dst.add(i * dst_stride).cast::<[f32; C]>(), row);
     }
     o[c0..c0 + C].copy_from_slice(&oa);
     kv_next[c0..c0 + C].copy_from_slice(&kn);
@@ -765,8 +809,7 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
 #[inline]
 #[allow(clippy::too_many_arguments)]
 unsafe fn sweep32_avx512(
-    src: *const f32,
-    dst: *mut f32,
+    b: Block,
     dl_out: *mut f32,
     d: usize,
     c0: usize,
@@ -775,7 +818,7 @@ unsafe fn sweep32_avx512(
     kv_next: &mut [f32],
 ) {
     use std::arch::x86_64::*;
-    let (s, t) = (src.add(c0), dst.add(c0));
+    let (s, ss, t, ts) = (b.src, b.src_stride, b.dst, b.dst_stride);
     let mut kv = [_mm512_setzero_ps(); 2];
     match tok.kv {
         Some(k) => {
@@ -785,12 +828,25 @@ unsafe fn sweep32_avx512(
         None => {
             for i in 0..d {
                 if c0 == 0 && i + ROWS_AHEAD < d {
-                    prefetch_row::<false>(src.add((i + ROWS_AHEAD) * d), d);
+                    prefetch_row::<false>(s.add((i + ROWS_AHEAD) * ss), d);
+                }
+                let r = s.add(i * ss);
+                let mut row = [_mm512_loadu_ps(r), _mm512_loadu_ps(r.add(16))];
+                if !tok.fold.is_empty() {
+                    for rc in tok.fold.chunks_exact(Pending::record(d)) {
+                        let (decay, ki) = (_mm512_set1_ps(rc[0]), _mm512_set1_ps(rc[1 + i]));
+                        let dl = rc[1 + d + c0..][..32].as_ptr();
+                        for (h, x) in row.iter_mut().enumerate() {
+                            let dl = _mm512_loadu_ps(dl.add(16 * h));
+                            *x = _mm512_fmadd_ps(ki, dl, _mm512_mul_ps(*x, decay));
+                        }
+                    }
+                    _mm512_storeu_ps(r, row[0]);
+                    _mm512_storeu_ps(r.add(16), row[1]);
                 }
                 let ki = _mm512_set1_ps(tok.k[i]);
-                let r = s.add(i * d);
-                kv[0] = _mm512_fmadd_ps(_mm512_loadu_ps(r), ki, kv[0]);
-                kv[1] = _mm512_fmadd_ps(_mm512_loadu_ps(r.add(16)), ki, kv[1]);
+                kv[0] = _mm512_fmadd_ps(row[0], ki, kv[0]);
+                kv[1] = _mm512_fmadd_ps(row[1], ki, kv[1]);
             }
         }
     }
@@ -807,9 +863,6 @@ unsafe fn sweep32_avx512(
     let mut oa = [_mm512_setzero_ps(); 2];
     let mut kn = [_mm512_setzero_ps(); 2];
     for i in 0..d {
-        if tok.kv.is_some() && c0 == 0 && i + ROWS_AHEAD < d {
-            prefetch_row::<false>(src.add((i + ROWS_AHEAD) * d), d);
-        }
         if let Some(n) = tok.next_head {
             prefetch_row::<true>(n.wrapping_add((c0 / 32 * d + i) * 32), 32);
         }
@@ -819,11 +872,11 @@ unsafe fn sweep32_avx512(
             _mm512_set1_ps(tok.k_next[i]),
         );
         for h in 0..2 {
-            let row = _mm512_loadu_ps(s.add(i * d + 16 * h));
+            let row = _mm512_loadu_ps(s.add(i * ss + 16 * h));
             let row = _mm512_fmadd_ps(ki, dl[h], _mm512_mul_ps(row, decay));
             oa[h] = _mm512_fmadd_ps(row, qi, oa[h]);
             kn[h] = _mm512_fmadd_ps(row, kni, kn[h]);
-            _mm512_storeu_ps(t.add(i * d + 16 * h), row);
+            _mm512_storeu_ps(t.add(i * ts + 16 * h), row);
         }
     }
     for h in 0..2 {
@@ -839,6 +892,16 @@ unsafe fn sweep32_avx512(
 /// computed as `kv = exp(g)·(S_oldᵀk)` followed by one pass over the rows of S that forms the
 /// new row `S[i] = exp(g)·S[i] + k[i]·δ`, accumulates `o += S[i]·q[i]`, and already accumulates
 /// the next token's `S_oldᵀk` from the same row: one sweep of the state per token.
+///
+/// Every quantity of a sweep but the norm is a column's own (column j' of S, of δ, o and the
+/// next kv), so the sweeps run a column block at a time through all the tokens: the block
+/// (128 rows of 32 floats, 16 KiB) stays in L1 from the first token to the last, and the head's
+/// state crosses L2 once a call instead of once a token. The arithmetic of each column is the
+/// same, in the same order, so the bits are those of one token at a time. With a verify's
+/// scratch of one block and its fold in the first sweep (`Token::fold`), a depth-2 draft
+/// round's GDN cores on bench-0.8b PQ2_0 (`xtask bench --engine --phases`, Zen 4, 2 threads,
+/// the builds alternated four times) went from 3.08-3.32 to 2.24-2.44 ms, where a plain
+/// step's take 1.2-1.5 ms.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn head_scan_body<const FMA: bool, const AVX512: bool>(
@@ -859,74 +922,121 @@ fn head_scan_body<const FMA: bool, const AVX512: bool>(
     let q_at = |t: usize| &u[t * cd + kh * d..][..d];
     let k_at = |t: usize| &u[t * cd + (p.n_k + kh) * d..][..d];
     let v_at = |t: usize| &u[t * cd + (2 * p.n_k + j) * d..][..d];
-    let HeadState { live, scratch, rec } = st;
+    let HeadState {
+        live,
+        fold,
+        scratch,
+        rec,
+    } = st;
     let rl = Pending::record(d);
     assert!(
         live.len() == d * d
-            && scratch
-                .as_ref()
-                .is_none_or(|s| s.len() == d * d && rec.len() >= (rows.t0 + n_tok) * rl),
-        "a head's state is d x d, with a record per row out of place"
+            && scratch.as_ref().is_none_or(|s| {
+                (s.len() == d * d || s.len() == d * COLS) && rec.len() >= (rows.t0 + n_tok) * rl
+            }),
+        "a head's state is d x d, with a scratch and a record per row out of place"
     );
+    // Out of place, a scratch of d x d carries the rows' state from one chunk to the next; a
+    // block scratch (d x COLS, when the rows are one chunk) holds one column block's state
+    // from the first row to the last, in L1.
+    let block_scratch = scratch.as_ref().is_some_and(|s| s.len() < d * d);
     let scratch: Option<*mut f32> = scratch.map(|s| s.as_mut_ptr().cast::<f32>());
-    // The next head's live state, which the last row's sweep brings into L2.
+    // The next head's live state, which the last token's sweeps bring into L2.
     let next_head = live.as_ptr().wrapping_add(d * d);
-    // kv = S_oldᵀ k of the token being swept (the first token's is summed in its sweep).
-    let mut kv = vec![0f32; d];
-    let mut kv_next = vec![0f32; d];
-    const COLS: usize = 32;
-    for t in 0..n_tok {
-        let (at, row) = (rows.t0 + t, rows.base + rows.t0 + t);
-        let tok = Token {
-            beta: sigmoid(b.row(row)[j]),
-            decay: (w.ssm_a[j] * softplus(a.row(row)[j] + w.dt_bias[j])).exp(),
-            q: q_at(t),
-            k: k_at(t),
-            v: v_at(t),
-            k_next: k_at((t + 1).min(n_tok - 1)),
-            kv: (t > 0).then_some(&kv[..]),
-            next_head: (t + 1 == n_tok).then_some(next_head),
-        };
-        let o = &mut y[t * d..(t + 1) * d];
-        // In place on the live state; out of place the sequence's first row reads the live
-        // state and every row writes the scratch copy, which the next row reads, and leaves
-        // its record (decay, k, then δ from the sweep).
-        let (src, dst, dl) = match scratch {
-            None => (live.as_ptr(), live.as_mut_ptr(), std::ptr::null_mut()),
-            Some(scratch) => {
-                let r = &mut rec[at * rl..(at + 1) * rl];
-                r[0] = tok.decay;
-                r[1..1 + d].copy_from_slice(tok.k);
-                let src = match at {
-                    0 => live.as_ptr(),
-                    _ => scratch.cast_const(),
-                };
-                (src, scratch, r[1 + d..].as_mut_ptr())
-            }
-        };
-        // Columns in blocks of COLS, so that δ, o and the next kv of a block stay in
-        // registers while the sweep runs down the rows; then the leftover columns.
-        let full = d / COLS * COLS;
-        // SAFETY: src and dst hold d * d values (checked above) and are one buffer or the
-        // live state and the scratch, which row 0's sweep writes whole (every row, every
-        // column block) before a later row reads it; dl is null or a record's d values of δ.
-        unsafe {
-            for c0 in (0..full).step_by(COLS) {
-                // AVX512 is set only by `head_scan_avx512`, after the feature check.
+    // Each token's β and decay; out of place, its record's decay and k (δ comes from the
+    // sweeps).
+    let gates: Vec<(f32, f32)> = (0..n_tok)
+        .map(|t| {
+            let row = rows.base + rows.t0 + t;
+            let beta = sigmoid(b.row(row)[j]);
+            let decay = (w.ssm_a[j] * softplus(a.row(row)[j] + w.dt_bias[j])).exp();
+            (beta, decay)
+        })
+        .collect();
+    if scratch.is_some() {
+        for (t, &(_, decay)) in gates.iter().enumerate() {
+            let r = &mut rec[(rows.t0 + t) * rl..(rows.t0 + t + 1) * rl];
+            r[0] = decay;
+            r[1..1 + d].copy_from_slice(k_at(t));
+        }
+    }
+    let rec = rec.as_mut_ptr();
+    // kvs[t] = S_oldᵀk of token t, written by token t - 1's sweeps (the first token's is
+    // summed in its own).
+    let mut kvs = vec![0f32; (n_tok + 1) * d];
+    // Column blocks of COLS, so that δ, o and the next kv of a block stay in registers while
+    // the sweep runs down the rows; then the leftover columns one at a time.
+    let full = d / COLS * COLS;
+    let blocks = (0..full)
+        .step_by(COLS)
+        .map(|c0| (c0, COLS))
+        .chain((full..d).map(|c0| (c0, 1)));
+    for (c0, width) in blocks {
+        for t in 0..n_tok {
+            let at = rows.t0 + t;
+            let (done, next) = kvs.split_at_mut((t + 1) * d);
+            let (beta, decay) = gates[t];
+            let tok = Token {
+                beta,
+                decay,
+                q: q_at(t),
+                k: k_at(t),
+                v: v_at(t),
+                k_next: k_at((t + 1).min(n_tok - 1)),
+                kv: (t > 0).then_some(&done[t * d..]),
+                fold: if t == 0 { fold } else { &[] },
+                next_head: (t + 1 == n_tok).then_some(next_head),
+            };
+            let o = &mut y[t * d..(t + 1) * d];
+            // In place on the live state; out of place the sequence's first row reads the
+            // live state and every row writes the scratch, which the next row reads, and
+            // leaves δ in its record.
+            let live_block = (live.as_mut_ptr().wrapping_add(c0), d);
+            let (dst, src, dl) = match scratch {
+                None => (live_block, live_block, std::ptr::null_mut()),
+                Some(scratch) => {
+                    let dst = match block_scratch {
+                        true => (scratch, width),
+                        false => (scratch.wrapping_add(c0), d),
+                    };
+                    let src = match at {
+                        0 => live_block,
+                        _ => dst,
+                    };
+                    (dst, src, rec.wrapping_add(at * rl + 1 + d))
+                }
+            };
+            let b = Block {
+                src: src.0,
+                src_stride: src.1,
+                dst: dst.0,
+                dst_stride: dst.1,
+            };
+            let kv_next = &mut next[..d];
+            // SAFETY: the live state and a d x d scratch hold d rows of d values (checked
+            // above), a block scratch d rows of COLS: d rows of the block's width at its
+            // stride either way. The live state and the scratch are disjoint, and the scratch's
+            // block is written whole (every row of the block's columns) by the block's first
+            // row before a later row reads it. dl is null or a record's d values of δ (rec
+            // holds rows.t0 + n_tok records, checked above).
+            unsafe {
                 #[cfg(target_arch = "x86_64")]
-                if AVX512 {
+                if AVX512 && width == COLS {
+                    // AVX512 is set only by `head_scan_avx512`, after the feature check.
                     const { assert!(COLS == 32) };
-                    sweep32_avx512(src, dst, dl, d, c0, &tok, o, &mut kv_next);
+                    sweep32_avx512(b, dl, d, c0, &tok, o, kv_next);
                     continue;
                 }
-                sweep::<FMA, COLS>(src, dst, dl, d, c0, &tok, o, &mut kv_next);
-            }
-            for c0 in full..d {
-                sweep::<FMA, 1>(src, dst, dl, d, c0, &tok, o, &mut kv_next);
+                match width {
+                    COLS => sweep::<FMA, COLS>(b, dl, d, c0, &tok, o, kv_next),
+                    _ => sweep::<FMA, 1>(b, dl, d, c0, &tok, o, kv_next),
+                }
             }
         }
-        std::mem::swap(&mut kv, &mut kv_next);
-        // Gated RMSNorm over the head.
+    }
+    // Gated RMSNorm over the head, per token.
+    for (t, o) in y.chunks_exact_mut(d).enumerate() {
+        let row = rows.base + rows.t0 + t;
         let sc = rms_scale(o, p.eps);
         let zj = &z.row(row)[j * d..(j + 1) * d];
         for ((ov, &g), &zv) in o.iter_mut().zip(w.norm).zip(zj) {
@@ -971,6 +1081,7 @@ mod tests {
                     v: &vv,
                     k_next: &kn,
                     kv: given_kv.then_some(&kv0[..]),
+                    fold: &[],
                     next_head: Some(next.as_ptr()),
                 };
                 let run = |wide: bool| {
@@ -982,12 +1093,18 @@ mod tests {
                     let dp = if in_place { sp } else { dst.as_mut_ptr() };
                     let dlp = dl.as_mut_ptr();
                     for c0 in (0..d).step_by(32) {
+                        let b = Block {
+                            src: sp.wrapping_add(c0),
+                            src_stride: d,
+                            dst: dp.wrapping_add(c0),
+                            dst_stride: d,
+                        };
                         // SAFETY: both buffers hold d * d values, dl d; AVX-512 F checked above.
                         unsafe {
                             if wide {
-                                sweep32_avx512(sp, dp, dlp, d, c0, &tok, &mut o, &mut kvn);
+                                sweep32_avx512(b, dlp, d, c0, &tok, &mut o, &mut kvn);
                             } else {
-                                sweep::<true, 32>(sp, dp, dlp, d, c0, &tok, &mut o, &mut kvn);
+                                sweep::<true, 32>(b, dlp, d, c0, &tok, &mut o, &mut kvn);
                             }
                         }
                     }
@@ -1018,11 +1135,13 @@ mod tests {
     }
 
     impl Small {
-        fn new(n: usize, seed: usize) -> Self {
+        /// `n` rows of heads `d` wide: 32 is one column block of the sweep, 40 one and 8
+        /// columns swept one at a time.
+        fn new(n: usize, seed: usize, d: usize) -> Self {
             let p = GdnParams {
                 n_k: 2,
                 n_v: 4,
-                d: 32,
+                d,
                 d_conv: 4,
                 eps: 1e-6,
             };
@@ -1054,9 +1173,15 @@ mod tests {
     /// cell (both through the copied conv states), in both orders, from distinct states.
     #[test]
     fn mixed_batch_matches_each_sequence_alone() {
+        for d in [32, 40] {
+            mixed_batch_case(d);
+        }
+    }
+
+    fn mixed_batch_case(d: usize) {
         let rows = [1, 5, 1, 1];
         let n: usize = rows.iter().sum();
-        let c = Small::new(n, 11);
+        let c = Small::new(n, 11, d);
         let (p, w) = (&c.p, c.weights());
         let (mixed, z, b, a) = (&c.mixed, &c.z, &c.b, &c.a);
         let fresh = |seed: usize| Recurrent {
@@ -1144,10 +1269,18 @@ mod tests {
     /// nothing restored, the next call folds in every row. Longer than a chunk, so a chunk's
     /// first row reads the scratch copy the chunk before left; from a state that itself has
     /// pending rows, so the batch folds those in first.
+    ///
+    /// Also a batch of 9 rows (one chunk, so its scratch holds one column block) with heads
+    /// wider than a block, and the long batch with those heads.
     #[test]
     fn snapshot_rows_restore_to_the_state_after_each_row() {
-        let n = CHUNK + 3;
-        let c = Small::new(n + 3, 5);
+        for (n, d) in [(CHUNK + 3, 32), (9, 40), (9, 64), (CHUNK + 3, 40)] {
+            snapshot_case(n, d);
+        }
+    }
+
+    fn snapshot_case(n: usize, d: usize) {
+        let c = Small::new(n + 3, 5, d);
         let (p, w) = (&c.p, c.weights());
         let row = |t: &Tensor, i: usize| Tensor {
             data: t.row(i).to_vec(),
@@ -1254,8 +1387,14 @@ mod tests {
     /// A batch longer than a chunk gives the outputs and state of feeding it token by token.
     #[test]
     fn batch_across_chunks_matches_token_by_token() {
+        for d in [32, 40] {
+            batch_across_chunks_case(d);
+        }
+    }
+
+    fn batch_across_chunks_case(d: usize) {
         let n = 2 * CHUNK + 37;
-        let c = Small::new(n, 1);
+        let c = Small::new(n, 1, d);
         let (p, w) = (&c.p, c.weights());
         let (mixed, z, b, a) = (&c.mixed, &c.z, &c.b, &c.a);
         let fresh = || Recurrent {
