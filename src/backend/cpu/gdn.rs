@@ -1058,7 +1058,8 @@ mod tests {
 
     /// The AVX-512 sweep gives `sweep::<true, 32>`'s bits: the state it writes (in place and
     /// out of place), the head's output and the next token's `S_oldᵀk`, with the first token's
-    /// `S_oldᵀk` summed in the sweep or given.
+    /// `S_oldᵀk` summed in the sweep (with or without records to fold into the source, which
+    /// out of place then holds the folded state) or given.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn avx512_sweep_matches_the_fma_sweep_bit_for_bit() {
@@ -1071,7 +1072,18 @@ mod tests {
         let state = v(1, d * d);
         let (k, q, vv, kn, kv0) = (v(2, d), v(3, d), v(4, d), v(5, d), v(6, d));
         let next = v(7, d * d);
-        for given_kv in [false, true] {
+        // Two records to fold (decay, k, δ each), for the first token's sweeps.
+        let recs: Vec<f32> = [0.9f32, 0.8]
+            .iter()
+            .enumerate()
+            .flat_map(|(r, &decay)| {
+                std::iter::once(decay)
+                    .chain(v(8 + r, d))
+                    .chain(v(10 + r, d))
+            })
+            .collect();
+        let cases = [(false, false), (true, false), (false, true)];
+        for (given_kv, folds) in cases {
             for in_place in [false, true] {
                 let tok = Token {
                     decay: 0.93,
@@ -1081,7 +1093,7 @@ mod tests {
                     v: &vv,
                     k_next: &kn,
                     kv: given_kv.then_some(&kv0[..]),
-                    fold: &[],
+                    fold: if folds { &recs } else { &[] },
                     next_head: Some(next.as_ptr()),
                 };
                 let run = |wide: bool| {
@@ -1108,14 +1120,21 @@ mod tests {
                             }
                         }
                     }
-                    let written = if in_place { src } else { dst };
                     let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-                    (bits(&written), bits(&o), bits(&kvn), bits(&dl))
+                    // Out of place, the source holds the folded state.
+                    (bits(&src), bits(&dst), bits(&o), bits(&kvn), bits(&dl))
                 };
+                let (wide, fma) = (run(true), run(false));
                 assert!(
-                    run(true) == run(false),
-                    "kv given {given_kv}, in place {in_place}"
+                    wide == fma,
+                    "kv given {given_kv}, folding {folds}, in place {in_place}"
                 );
+                if folds && !in_place {
+                    assert!(
+                        wide.0 != state.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "the fold writes the source"
+                    );
+                }
             }
         }
     }
