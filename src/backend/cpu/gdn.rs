@@ -171,19 +171,27 @@ unsafe fn settle_fma(s: &mut [f32], recs: &[f32], rows: usize, d: usize) {
     settle_body::<true>(s, recs, rows, d)
 }
 
-/// `S[i] = decay·S[i] + k[i]·δ` for each record in order, a row of S at a time (so the state
-/// is read and written once however many records): the sweep's update, operation for
-/// operation (`madd::<FMA>(k[i], δ, S·decay)`, fused where the sweep fuses it).
+/// The records folded into the state a row of S at a time (so the state is read and written
+/// once however many records).
 #[inline(always)]
 fn settle_body<const FMA: bool>(s: &mut [f32], recs: &[f32], rows: usize, d: usize) {
     let rl = Pending::record(d);
     assert!(s.len() == d * d && recs.len() >= rows * rl);
     for (i, row) in s.chunks_exact_mut(d).enumerate() {
-        for r in recs.chunks_exact(rl).take(rows) {
-            let (decay, ki, dl) = (r[0], r[1 + i], &r[1 + d..]);
-            for (x, &dc) in row.iter_mut().zip(dl) {
-                *x = madd::<FMA>(ki, dc, *x * decay);
-            }
+        fold_row::<FMA>(row, &recs[..rows * rl], i, 0, d);
+    }
+}
+
+/// Folds whole [`Pending`] records, in order, into `row`, columns `c0..` of row `i` of a
+/// head's state: `S[i] = decay·S[i] + k[i]·δ`, the sweep's update operation for operation
+/// (`madd::<FMA>(k[i], δ, S·decay)`, fused where the sweep fuses it). For `settle` and the
+/// first sweep of a call (`Token::fold`) alike.
+#[inline(always)]
+fn fold_row<const FMA: bool>(row: &mut [f32], recs: &[f32], i: usize, c0: usize, d: usize) {
+    for r in recs.chunks_exact(Pending::record(d)) {
+        let (decay, ki, dl) = (r[0], r[1 + i], &r[1 + d + c0..]);
+        for (x, &dc) in row.iter_mut().zip(dl) {
+            *x = madd::<FMA>(ki, dc, *x * decay);
         }
     }
 }
@@ -759,12 +767,7 @@ unsafe fn sweep<const FMA: bool, const C: usize>(
                 ahead(i);
                 let mut row = load(i);
                 if !tok.fold.is_empty() {
-                    for r in tok.fold.chunks_exact(Pending::record(d)) {
-                        let (decay, ki, dl) = (r[0], r[1 + i], &r[1 + d + c0..][..C]);
-                        for c in 0..C {
-                            row[c] = madd::<FMA>(ki, dl[c], row[c] * decay);
-                        }
-                    }
+                    fold_row::<FMA>(&mut row, tok.fold, i, c0, d);
                     std::ptr::write_unaligned(src.add(i * src_stride).cast::<[f32; C]>(), row);
                 }
                 let ki = tok.k[i];
