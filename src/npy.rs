@@ -122,6 +122,7 @@ mod tests {
         let bytes = std::fs::read(&p).unwrap();
         assert_eq!((bytes.len() - 15 * 4) % 64, 0, "header padded to 64");
         let (d, s) = super::read(&p).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
         assert_eq!(s, vec![3, 5]);
         assert_eq!(d, data);
     }

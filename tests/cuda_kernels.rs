@@ -159,7 +159,8 @@ fn every_kernel_compiles_for_sm86_and_sm90() {
     };
     let (major, minor) = kernels::nvrtc_version();
     println!("NVRTC {major}.{minor}, {}", ptxas.display());
-    let dir = std::env::temp_dir().join(format!("tern-cuda-kernels-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tern-cuda-kernels-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let work: Vec<(Kernel, u32)> = kernels::all_modules()
         .into_iter()

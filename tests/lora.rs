@@ -280,7 +280,8 @@ fn refusals_name_the_file_and_tensor() {
         "{e}"
     );
     // A file that is not a GGUF at all.
-    let bad = std::env::temp_dir().join(format!("tern-lora-bad-{}.gguf", std::process::id()));
+    let bad = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tern-lora-bad-{}.gguf", std::process::id()));
     std::fs::write(&bad, b"not a gguf").unwrap();
     let e = tern::model::lora::load(&be, &bad, &base, n_layer)
         .err()

@@ -129,7 +129,7 @@ const GHOST: Geo = Geo {
 };
 
 fn dir() -> PathBuf {
-    let d = std::env::temp_dir().join("tern-plan-tests");
+    let d = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("tern-plan-tests");
     std::fs::create_dir_all(&d).unwrap();
     d
 }

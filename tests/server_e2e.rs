@@ -245,7 +245,8 @@ fn boot_refusals_name_the_cause() {
     let err = serve_fails(&a);
     assert!(err.contains("--kv-cache-type"), "{err}");
 
-    let dir = std::env::temp_dir().join(format!("tern-serve-boot-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tern-serve-boot-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("tern.yaml");
     std::fs::write(&cfg, "parallel: 2\nkv-cache-type: f16\n").unwrap();
@@ -265,7 +266,8 @@ fn boot_refusals_name_the_cause() {
 /// The YAML config and the flags merge (file, then flags) into the served shape.
 #[test]
 fn config_file_then_flags() {
-    let dir = std::env::temp_dir().join(format!("tern-serve-cfg-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tern-serve-cfg-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = dir.join("tern.yaml");
     let port = free_port();
@@ -310,7 +312,8 @@ fn config_file_then_flags() {
 fn access_log_in_json_from_llama_server_settings() {
     let port = free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let dir = std::env::temp_dir().join(format!("tern-serve-log-{}", std::process::id()));
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tern-serve-log-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let log = dir.join("access.jsonl");
     let _ = std::fs::remove_file(&log);

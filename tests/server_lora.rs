@@ -138,7 +138,8 @@ fn per_request_scales_through_the_openai_client() {
         println!("SKIPPED the OpenAI client part: `python3 -c \"import openai\"` fails");
         return;
     }
-    let cases = std::env::temp_dir().join(format!("tern-lora-cases-{}.json", std::process::id()));
+    let cases = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tern-lora-cases-{}.json", std::process::id()));
     std::fs::write(
         &cases,
         json!({"prompt": prompt, "n": n, "expect": expect}).to_string(),

@@ -125,7 +125,8 @@ fn ui_config_is_json_or_the_boot_stops() {
         "{err}"
     );
 
-    let file = std::env::temp_dir().join(format!("tern-ui-config-{}.json", std::process::id()));
+    let file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join(format!("tern-ui-config-{}.json", std::process::id()));
     std::fs::write(&file, r#"{"temperature": 0.2}"#).unwrap();
     let mut s = settings();
     s.ui_config_file = Some(file.clone());
