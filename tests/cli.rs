@@ -1,6 +1,7 @@
 //! The `tern` binary end to end: inspect, logits and generate on the fixtures and the bundled
 //! default model, and clear errors for bad input.
 
+mod scratch;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -15,10 +16,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    scratch::dir("cli").join(name)
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! The YAML config: one schema with the flags, strict keys and values, file-then-flags merge,
 //! and the shipped example.
 
+mod scratch;
 use std::path::{Path, PathBuf};
 
 use std::collections::BTreeMap;
@@ -18,10 +19,7 @@ fn parse(yaml: &str) -> Result<Settings, ConfigError> {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-config-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    scratch::dir("config").join(name)
 }
 
 fn zealot() -> PathBuf {

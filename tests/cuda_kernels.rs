@@ -12,6 +12,7 @@
 //! test prints why and passes, unless `TERN_REQUIRE_NVRTC=1` (CI), which makes it a failure.
 #![cfg(feature = "cuda")]
 
+mod scratch;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
@@ -159,9 +160,7 @@ fn every_kernel_compiles_for_sm86_and_sm90() {
     };
     let (major, minor) = kernels::nvrtc_version();
     println!("NVRTC {major}.{minor}, {}", ptxas.display());
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-cuda-kernels-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch::dir("cuda-kernels");
     let work: Vec<(Kernel, u32)> = kernels::all_modules()
         .into_iter()
         .flat_map(|k| ARCHS.map(|a| (k, a)))

@@ -8,6 +8,7 @@
 //! installs them and sets TERN_REQUIRE_DEPLOY_TOOLS=1, so a missing tool fails there and is
 //! skipped, saying so, elsewhere.
 
+mod scratch;
 mod server_common;
 
 use std::collections::BTreeSet;
@@ -47,9 +48,9 @@ fn tool(name: &str, env: &str) -> Option<PathBuf> {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-deploy-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
+    // Emptied first: a recycled pid may find an earlier run's files.
+    let d = scratch::dir(&format!("deploy-{name}"));
+    std::fs::remove_dir_all(&d).unwrap();
     std::fs::create_dir_all(&d).unwrap();
     d
 }

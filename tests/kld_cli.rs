@@ -2,6 +2,7 @@
 //! steps, the gate failing and passing on purpose (exit status 3 and 0), `--json`, and the
 //! refusals of a base file that does not fit the candidate or the text.
 
+mod scratch;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
@@ -20,10 +21,7 @@ fn demo(name: &str) -> PathBuf {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-kld-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    scratch::dir("kld-cli").join(name)
 }
 
 fn text(o: &Output) -> String {

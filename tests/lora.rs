@@ -7,6 +7,7 @@
 //! adapter for another architecture, one with a shape that does not match, a half-pair.
 
 mod common;
+mod scratch;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -280,8 +281,7 @@ fn refusals_name_the_file_and_tensor() {
         "{e}"
     );
     // A file that is not a GGUF at all.
-    let bad = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-lora-bad-{}.gguf", std::process::id()));
+    let bad = scratch::dir("lora").join("bad.gguf");
     std::fs::write(&bad, b"not a gguf").unwrap();
     let e = tern::model::lora::load(&be, &bad, &base, n_layer)
         .err()

@@ -2,6 +2,7 @@
 //! Ternary-Bonsai-2 9B and 27B geometries (written sparse: the tensor data is a hole, so a
 //! 7 GB file costs only its header on disk).
 
+mod scratch;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
@@ -129,9 +130,7 @@ const GHOST: Geo = Geo {
 };
 
 fn dir() -> PathBuf {
-    let d = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("tern-plan-tests");
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    scratch::dir("plan")
 }
 
 /// Writes (once per process, atomically) the header-only GGUF of `g`.

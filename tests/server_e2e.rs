@@ -3,6 +3,7 @@
 //! tools, an error, 5 concurrent requests), then /metrics, then SIGTERM. Also the boot
 //! refusals: a shape that does not fit, a missing file, an unknown flag or config key.
 
+mod scratch;
 mod server_common;
 
 use std::io::Read;
@@ -245,9 +246,7 @@ fn boot_refusals_name_the_cause() {
     let err = serve_fails(&a);
     assert!(err.contains("--kv-cache-type"), "{err}");
 
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-serve-boot-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch::dir("serve-boot");
     let cfg = dir.join("tern.yaml");
     std::fs::write(&cfg, "parallel: 2\nkv-cache-type: f16\n").unwrap();
     let mut a = base.to_vec();
@@ -266,9 +265,7 @@ fn boot_refusals_name_the_cause() {
 /// The YAML config and the flags merge (file, then flags) into the served shape.
 #[test]
 fn config_file_then_flags() {
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-serve-cfg-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch::dir("serve-cfg");
     let cfg = dir.join("tern.yaml");
     let port = free_port();
     std::fs::write(
@@ -312,9 +309,7 @@ fn config_file_then_flags() {
 fn access_log_in_json_from_llama_server_settings() {
     let port = free_port();
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-serve-log-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = scratch::dir("serve-log");
     let log = dir.join("access.jsonl");
     let _ = std::fs::remove_file(&log);
     let child = Command::new(TERN)

@@ -2,6 +2,7 @@
 //! POST /props, the web UI setting, `--api-prefix`, CORS, `--n-predict`, `--reasoning-budget`,
 //! `--cache-prompt`, `--timeout`, and /v1/models' extra fields.
 
+mod scratch;
 mod server_common;
 
 use std::io::{BufRead, BufReader, Read, Write};
@@ -27,10 +28,7 @@ fn chat(extra: Value) -> Value {
 }
 
 fn tmp(name: &str) -> std::path::PathBuf {
-    let d = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-server-flags-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    scratch::dir("server-flags").join(name)
 }
 
 #[test]

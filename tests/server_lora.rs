@@ -5,6 +5,7 @@
 //! scales through `/lora-adapters`. Also the ids themselves through `/completion`, and the boot
 //! refusals: a missing adapter, an adapter for another model.
 
+mod scratch;
 mod server_common;
 
 use std::net::SocketAddr;
@@ -138,8 +139,7 @@ fn per_request_scales_through_the_openai_client() {
         println!("SKIPPED the OpenAI client part: `python3 -c \"import openai\"` fails");
         return;
     }
-    let cases = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-lora-cases-{}.json", std::process::id()));
+    let cases = scratch::dir("server-lora").join("cases.json");
     std::fs::write(
         &cases,
         json!({"prompt": prompt, "n": n, "expect": expect}).to_string(),

@@ -1,5 +1,6 @@
 //! `tern verify`: byte counts and sha256 of the fixtures, against the flags and the manifest.
 
+mod scratch;
 use std::path::{Path, PathBuf};
 
 use tern::cli::verify::{check, measure, read_manifest, run_to, Expect, VerifyArgs};
@@ -26,10 +27,7 @@ fn pinned(name: &str) -> (u64, String) {
 }
 
 fn tmp(name: &str) -> PathBuf {
-    let d = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-verify-{}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d.join(name)
+    scratch::dir("verify").join(name)
 }
 
 fn run(args: VerifyArgs) -> (anyhow::Result<()>, String) {

@@ -4,6 +4,7 @@
 //! model. The browser test skips, saying why, where Chromium or Playwright is missing, unless
 //! TERN_REQUIRE_CHROMIUM=1 (set by .ci/run, which installs both).
 
+mod scratch;
 mod server_common;
 
 use std::net::SocketAddr;
@@ -125,8 +126,7 @@ fn ui_config_is_json_or_the_boot_stops() {
         "{err}"
     );
 
-    let file = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join(format!("tern-ui-config-{}.json", std::process::id()));
+    let file = scratch::dir("webui").join("ui-config.json");
     std::fs::write(&file, r#"{"temperature": 0.2}"#).unwrap();
     let mut s = settings();
     s.ui_config_file = Some(file.clone());
