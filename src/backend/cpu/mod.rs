@@ -1496,6 +1496,36 @@ fn gdn_weights<'a>(w: &'a GdnWeights<'_, Weight>) -> gdn::Weights<'a> {
 mod tests {
     use super::*;
 
+    /// Values in [-1, 1] from a xorshift generator: the same sequence for the same seed.
+    fn xorshift(mut seed: u32) -> impl FnMut() -> f32 {
+        move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 17;
+            seed ^= seed << 5;
+            (seed % 20001) as f32 / 10000.0 - 1.0
+        }
+    }
+
+    /// `w` (`rows` rows of `k`) quantized to `ty` as the one tensor, `m.weight`, of a GGUF in
+    /// memory.
+    fn one_matrix(ty: GgmlType, k: usize, rows: usize, w: &[f32]) -> WeightSource {
+        use crate::gguf::{Gguf, GgufWriter};
+        let mut gw = GgufWriter::new();
+        gw.add_tensor(
+            "m.weight",
+            &[k as u64, rows as u64],
+            ty,
+            quant::quantize_row(ty, w).unwrap(),
+        );
+        let g = Arc::new(Gguf::from_bytes("matrix.gguf", gw.to_bytes()).unwrap());
+        WeightSource {
+            info: g.tensor("m.weight").unwrap().clone(),
+            file: g,
+            fold: None,
+            inverse: None,
+        }
+    }
+
     /// Where the CPU has the packed Q8_0 kernel, the serving path packs a matrix once however
     /// many weights use it (the tied head beside the embedding table, the draft head's first
     /// rows), the planner prices that copy once at its largest use, and the f32 reference path
@@ -1562,31 +1592,10 @@ mod tests {
     /// blocks the backend holds in place of the file's 28.
     #[test]
     fn serving_path_copies_ptq1_0_as_pq2_0_blocks() {
-        use crate::gguf::{Gguf, GgufWriter};
         let (k, rows) = (1024usize, 40usize);
-        let mut seed = 0x9e37_79b9u32;
-        let mut rnd = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            (seed % 20001) as f32 / 10000.0 - 1.0
-        };
+        let mut rnd = xorshift(0x9e37_79b9);
         let w: Vec<f32> = (0..k * rows).map(|_| rnd()).collect();
-        let bytes = quant::quantize_row(GgmlType::PTQ1_0, &w).unwrap();
-        let mut gw = GgufWriter::new();
-        gw.add_tensor(
-            "m.weight",
-            &[k as u64, rows as u64],
-            GgmlType::PTQ1_0,
-            bytes,
-        );
-        let g = Arc::new(Gguf::from_bytes("ptq1_0-matrix.gguf", gw.to_bytes()).unwrap());
-        let src = WeightSource {
-            file: g.clone(),
-            info: g.tensor("m.weight").unwrap().clone(),
-            fold: None,
-            inverse: None,
-        };
+        let src = one_matrix(GgmlType::PTQ1_0, k, rows, &w);
         let stored = CpuBackend::int8_unpacked().upload(&src).unwrap();
         assert_eq!(
             (stored.ty, stored.row_bytes, stored.layout),
@@ -1641,37 +1650,17 @@ mod tests {
     /// at a time.
     #[test]
     fn row_kernels_lay_out_several_token_rows_as_their_one_row_products() {
-        use crate::gguf::{Gguf, GgufWriter};
         // Two threads, as CI's machine: tasks of about a quarter of a thread's rows.
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(2)
             .build()
             .unwrap();
         let (k, rows) = (1024usize, 8 * OUT_ROWS + 37);
-        let mut seed = 0x2545_f491u32;
-        let mut rnd = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            (seed % 20001) as f32 / 10000.0 - 1.0
-        };
+        let mut rnd = xorshift(0x2545_f491);
         let x: Vec<f32> = (0..5 * k).map(|_| rnd()).collect();
         for ty in [GgmlType::Q8_0, GgmlType::PQ2_0] {
             let w: Vec<f32> = (0..k * rows).map(|_| rnd()).collect();
-            let mut gw = GgufWriter::new();
-            gw.add_tensor(
-                "m.weight",
-                &[k as u64, rows as u64],
-                ty,
-                quant::quantize_row(ty, &w).unwrap(),
-            );
-            let g = Arc::new(Gguf::from_bytes("rows.gguf", gw.to_bytes()).unwrap());
-            let src = WeightSource {
-                file: g.clone(),
-                info: g.tensor("m.weight").unwrap().clone(),
-                fold: None,
-                inverse: None,
-            };
+            let src = one_matrix(ty, k, rows, &w);
             for be in [CpuBackend::int8(), CpuBackend::int8_unpacked()] {
                 let m = be.upload(&src).unwrap();
                 pool.install(|| {
