@@ -565,16 +565,7 @@ fn repeat_columns(v: &mut Vec<f32>, m_rows: usize, tiled: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Values in [-1, 1) from an xorshift generator.
-    fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
-        move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-        }
-    }
+    use crate::backend::cpu::tests::uniform;
 
     /// `softmax_columns` as it ran before its passes were tiled: a row at a time, `exp` per
     /// value. The reference for `tiled_softmax_is_the_rowwise_bits`.

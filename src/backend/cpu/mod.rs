@@ -1496,13 +1496,14 @@ fn gdn_weights<'a>(w: &'a GdnWeights<'_, Weight>) -> gdn::Weights<'a> {
 mod tests {
     use super::*;
 
-    /// Values in [-1, 1] from a xorshift generator: the same sequence for the same seed.
-    fn xorshift(mut seed: u32) -> impl FnMut() -> f32 {
+    /// Values in [-1, 1) from an xorshift generator: the same sequence for the same seed. The
+    /// CPU backend's tests share it (`attention`'s too).
+    pub(super) fn uniform(mut seed: u64) -> impl FnMut() -> f32 {
         move || {
             seed ^= seed << 13;
-            seed ^= seed >> 17;
-            seed ^= seed << 5;
-            (seed % 20001) as f32 / 10000.0 - 1.0
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
         }
     }
 
@@ -1593,7 +1594,7 @@ mod tests {
     #[test]
     fn serving_path_copies_ptq1_0_as_pq2_0_blocks() {
         let (k, rows) = (1024usize, 40usize);
-        let mut rnd = xorshift(0x9e37_79b9);
+        let mut rnd = uniform(0x9e37_79b9);
         let w: Vec<f32> = (0..k * rows).map(|_| rnd()).collect();
         let src = one_matrix(GgmlType::PTQ1_0, k, rows, &w);
         let stored = CpuBackend::int8_unpacked().upload(&src).unwrap();
@@ -1656,7 +1657,7 @@ mod tests {
             .build()
             .unwrap();
         let (k, rows) = (1024usize, 8 * OUT_ROWS + 37);
-        let mut rnd = xorshift(0x2545_f491);
+        let mut rnd = uniform(0x2545_f491);
         let x: Vec<f32> = (0..5 * k).map(|_| rnd()).collect();
         for ty in [GgmlType::Q8_0, GgmlType::PQ2_0] {
             let w: Vec<f32> = (0..k * rows).map(|_| rnd()).collect();
