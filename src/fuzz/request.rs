@@ -116,6 +116,24 @@ const KEYS: &[&str] = &[
     "id_slot",
 ];
 
+/// The largest request body the target's router reads; a larger one is refused (413) unread.
+const MAX_BODY: usize = 4 << 20;
+
+/// `body` as the JSON object whose sampling fields `check_sampling` draws, or `None` where the
+/// server parses no such object: not an object, or over `MAX_BODY`. Parsing an oversize body
+/// anyway only cost the harness memory: case 299,129 of the default seed (a 176 MB body of
+/// nested arrays, which the router refuses) ran a fuzz worker out of its 4 GiB address space
+/// inside `serde_json`, an abort that was the harness's, not the server's.
+fn sampled_fields(body: &[u8]) -> Option<Map<String, Value>> {
+    if body.len() > MAX_BODY {
+        return None;
+    }
+    match serde_json::from_slice(body) {
+        Ok(Value::Object(obj)) => Some(obj),
+        _ => None,
+    }
+}
+
 impl Target {
     /// Boots the server on the bundled model (CPU, one slot of 256 tokens, so that a request
     /// generates at most a window's worth of tokens).
@@ -147,7 +165,7 @@ impl Target {
         if state.engine.set(Arc::new(engine)).is_err() {
             anyhow::bail!("the fuzz server already had an engine");
         }
-        let router = crate::server::routes::router(state.clone(), 4 << 20);
+        let router = crate::server::routes::router(state.clone(), MAX_BODY);
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -222,7 +240,7 @@ impl Target {
             .and_then(Value::as_str)
             .map(str::to_string);
         // The sampling parameters an accepted body carries, drawn once.
-        if let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(body) {
+        if let Some(obj) = sampled_fields(body) {
             if let Some(v) = self.check_sampling(route, &obj) {
                 return v;
             }
@@ -810,4 +828,24 @@ fn run_tool_text(cfg: &ParserConfig, text: &str, cuts: &[usize]) -> Verdict {
         mw.reasoning.len(),
         mw.tool_calls.len()
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_fields_come_only_from_bodies_the_router_reads() {
+        let small = br#"{"temperature":0.5,"n_probs":[0,0]}"#;
+        let obj = sampled_fields(small).expect("a small object is read");
+        assert_eq!(obj["temperature"], json!(0.5));
+        assert!(sampled_fields(b"[1,2]").is_none(), "not an object");
+        // The same object padded past the limit: the router refuses it unread, so the sampler
+        // never sees its fields.
+        let mut big = br#"{"temperature":0.5,"n_probs":["#.to_vec();
+        big.extend(b"0,".repeat(MAX_BODY / 2));
+        big.extend(br#"0]}"#);
+        assert!(serde_json::from_slice::<Value>(&big).is_ok_and(|v| v.is_object()));
+        assert!(sampled_fields(&big).is_none(), "{} bytes", big.len());
+    }
 }
